@@ -1,0 +1,166 @@
+"""Llama / Mistral / Qwen2 decoder over a paged KV pool, as pure functions of a params pytree.
+
+Why pure functions over a dict of arrays instead of Flax modules: the engine jit-compiles a few
+pure functions that *donate* the whole engine state (KV pool included) and update it by scatter;
+a params dict is exactly what the safetensors loader produces, what orbax saves, and what a
+``NamedSharding`` tree annotates for tensor parallelism — no module state, no ``apply`` plumbing,
+and the per-layer weights are stacked on a leading axis (ready for ``lax.scan`` or pipelining).
+The layer loop is unrolled so every layer's K/V scatter updates the donated pool in place.
+
+The forward pass takes a **flat batch of tokens** laid out as
+
+    [ num_decode rows | num_prefill_blocks x block_q rows ]
+
+Decode rows are single tokens of any sequences; prefill rows are prompt chunks cut into blocks of
+``block_q`` tokens of one sequence each (padding: position -1). Each token carries its slot id and
+absolute position; its K/V is scattered into the pool at ``page_tables[slot, pos // S]`` before
+attention, which then reads every sequence through its page table.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jbatch.models.config import ModelConfig, rope_inv_freq
+from jbatch.models.kv_cache import KVCache, write_layer, write_locations
+from pallas_kernels import paged_attention
+
+Params = dict
+
+
+def rms_norm(x: Float[Array, "t e"], w: Float[Array, " e"], eps: float) -> Float[Array, "t e"]:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w * x32.astype(x.dtype)
+
+
+def rope_tables(
+    cfg: ModelConfig, positions: Int[Array, " t"]
+) -> tuple[Float[Array, "t half"], Float[Array, "t half"]]:
+    inv_freq = jnp.asarray(np.asarray(rope_inv_freq(cfg), np.float32))  # [D/2]
+    angles = jnp.maximum(positions, 0).astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(
+    x: Float[Array, "t h d"], cos: Float[Array, "t half"], sin: Float[Array, "t half"]
+) -> Float[Array, "t h d"]:
+    """Rotate-half RoPE (the HF Llama convention: first and second halves of each head)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def _linear(x, layers: Params, w: str, b: str, i: int):
+    y = x @ layers[w][i]
+    return y + layers[b][i] if b in layers else y
+
+
+def _attention(
+    q: Float[Array, "t h d"],
+    cache: KVCache,
+    layer: int,
+    slots: Int[Array, " t"],
+    positions: Int[Array, " t"],
+    page_tables: Int[Array, "slots mp"],
+    num_decode: int,
+    block_q: int,
+    sliding_window: int | None,
+    impl: str,
+) -> Float[Array, "t h d"]:
+    t, h, d = q.shape
+    kp, vp = cache.k[layer], cache.v[layer]  # [KVH, P, S, D]
+    outs = []
+    if num_decode:
+        o = paged_attention(
+            q[:num_decode, None],  # [Nd, 1, H, D]
+            kp,
+            vp,
+            page_tables[jnp.clip(slots[:num_decode], 0, page_tables.shape[0] - 1)],
+            positions[:num_decode, None],
+            sliding_window=sliding_window,
+            impl=impl,
+        )
+        outs.append(o.reshape(num_decode, h, d))
+    num_prefill = t - num_decode
+    if num_prefill:
+        nb = num_prefill // block_q
+        block_slots = jnp.clip(slots[num_decode::block_q], 0, page_tables.shape[0] - 1)  # [NB]
+        o = paged_attention(
+            q[num_decode:].reshape(nb, block_q, h, d),
+            kp,
+            vp,
+            page_tables[block_slots],
+            positions[num_decode:].reshape(nb, block_q),
+            sliding_window=sliding_window,
+            impl=impl,
+        )
+        outs.append(o.reshape(num_prefill, h, d))
+    return jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    cache: KVCache,
+    tokens: Int[Array, " t"],
+    positions: Int[Array, " t"],
+    slots: Int[Array, " t"],
+    page_tables: Int[Array, "slots max_pages"],
+    *,
+    num_decode: int,
+    block_q: int = 1,
+    attn_impl: str = "auto",
+) -> tuple[Float[Array, "t e"], KVCache]:
+    """Run the decoder over a flat token batch; returns final-norm hidden states and the pool."""
+    t = tokens.shape[0]
+    if num_decode > t or (t - num_decode) % block_q:
+        raise ValueError(
+            f"token batch of {t} rows does not split into {num_decode} decode rows plus "
+            f"blocks of block_q={block_q}"
+        )
+    h_, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    layers = params["layers"]
+    x = params["embed"][jnp.clip(tokens, 0, cfg.vocab_size - 1)]  # [T, E]
+    cos, sin = rope_tables(cfg, positions)
+    pages, offsets = write_locations(
+        page_tables, slots, positions, cache.page_size, cache.num_pages
+    )
+    for i in range(cfg.num_layers):
+        xn = rms_norm(x, layers["attn_norm"][i], cfg.rms_norm_eps)
+        q = _linear(xn, layers, "wq", "bq", i).reshape(t, h_, d)
+        k = _linear(xn, layers, "wk", "bk", i).reshape(t, kvh, d)
+        v = _linear(xn, layers, "wv", "bv", i).reshape(t, kvh, d)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache = write_layer(cache, i, k, v, pages, offsets)
+        attn = _attention(
+            q,
+            cache,
+            i,
+            slots,
+            positions,
+            page_tables,
+            num_decode,
+            block_q,
+            cfg.sliding_windows[i],
+            attn_impl,
+        )
+        x = x + _linear(attn.reshape(t, h_ * d), layers, "wo", "bo", i)
+        xn = rms_norm(x, layers["mlp_norm"][i], cfg.rms_norm_eps)
+        gate = _linear(xn, layers, "w_gate", "b_gate", i)
+        up = _linear(xn, layers, "w_up", "b_up", i)
+        x = x + _linear(jax.nn.silu(gate) * up, layers, "w_down", "b_down", i)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
+
+
+def compute_logits(params: Params, hidden: Float[Array, "n e"]) -> Float[Array, "n vocab"]:
+    """LM head (tied to the embedding when the checkpoint has no ``lm_head``), in float32."""
+    if "lm_head" in params:
+        logits = hidden @ params["lm_head"]
+    else:
+        logits = hidden @ params["embed"].T
+    return logits.astype(jnp.float32)

@@ -1,0 +1,82 @@
+"""Pure-JAX paged attention over query blocks: the oracle every faster path is tested against.
+
+Vocabulary shared by every implementation in this package:
+
+* **KV pool** (one layer): ``k_pages, v_pages: [KVH, P, S, D]`` — KV heads, pages, page size, head dim.
+  KV heads lead so tensor parallelism shards the pool on axis 0 with no data movement, and each
+  (head, page) is one contiguous ``S x D`` tile, which is what a GPU kernel loads per block.
+* **Query blocks**: ``q: [N, Bq, H, D]`` — N blocks of Bq query rows; every row of a block belongs
+  to the same sequence. Decode tokens are blocks of one row (Bq = 1); a prompt chunk is split into
+  blocks of Bq rows. A block reads its sequence's pages through ``block_tables: [N, max_pages]``.
+* **Positions**: ``q_positions: [N, Bq]``, the absolute position of each query row, -1 for padding.
+  Key ``c`` is visible to a query at position ``p`` iff ``c <= p`` (causal) and, with a sliding
+  window ``w``, ``c > p - w``. K/V of the query tokens themselves must already be in the pool.
+
+Padding rows return zeros. Pool entries past a block's last query position are never read into a
+result, even when they hold NaN (free or recycled pages): they are masked before the softmax *and*
+zeroed before the value product, since 0 * NaN = NaN.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+_NEG = -1e30  # finite "minus infinity": keeps exp() and max() NaN-free on fully masked rows
+
+
+def key_mask(
+    q_positions: Int[Array, "n bq"], key_positions: Int[Array, "c"], sliding_window: int | None
+) -> Array:
+    """[N, Bq, C] boolean: which keys each query row may attend to."""
+    qp = q_positions[:, :, None]  # [N, Bq, 1]
+    kp = key_positions[None, None, :]  # [1, 1, C]
+    mask = (kp <= qp) & (qp >= 0)
+    if sliding_window is not None:
+        mask &= kp > qp - sliding_window
+    return mask
+
+
+def gather_pages(
+    pages: Float[Array, "kvh p s d"], block_tables: Int[Array, "n mp"]
+) -> Float[Array, "n c kvh d"]:
+    """Gather each block's pages into one contiguous [N, max_pages * S, KVH, D] key/value run."""
+    kvh, num_pages, page_size, d = pages.shape
+    n, mp = block_tables.shape
+    idx = jnp.clip(block_tables, 0, num_pages - 1)
+    g = pages[:, idx]  # [KVH, N, MP, S, D]
+    return g.transpose(1, 2, 3, 0, 4).reshape(n, mp * page_size, kvh, d)
+
+
+def paged_attention_reference(
+    q: Float[Array, "n bq h d"],
+    k_pages: Float[Array, "kvh p s d"],
+    v_pages: Float[Array, "kvh p s d"],
+    block_tables: Int[Array, "n mp"],
+    q_positions: Int[Array, "n bq"],
+    *,
+    sliding_window: int | None = None,
+    scale: float | None = None,
+) -> Float[Array, "n bq h d"]:
+    """Attention of query blocks over their sequences' whole page lists (obviously correct, slow)."""
+    n, bq, h, d = q.shape
+    kvh = k_pages.shape[0]
+    g = h // kvh
+    scale = d**-0.5 if scale is None else scale
+    k = gather_pages(k_pages, block_tables)  # [N, C, KVH, D]
+    v = gather_pages(v_pages, block_tables)  # [N, C, KVH, D]
+    c = k.shape[1]
+    kpos = jnp.arange(c, dtype=jnp.int32)
+    mask = key_mask(q_positions, kpos, sliding_window)  # [N, Bq, C]
+    # Keys past the block's last query were never written for this sequence: zero them.
+    live = kpos[None, :] <= jnp.max(q_positions, axis=1)[:, None]  # [N, C]
+    k = jnp.where(live[:, :, None, None], k, 0)
+    v = jnp.where(live[:, :, None, None], v, 0)
+    qg = q.reshape(n, bq, kvh, g, d).astype(jnp.float32)  # [N, Bq, KVH, G, D]
+    s = jnp.einsum("nbkgd,nckd->nkgbc", qg, k.astype(jnp.float32)) * scale  # [N, KVH, G, Bq, C]
+    s = jnp.where(mask[:, None, None], s, _NEG)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(mask[:, None, None], jnp.exp(s - m), 0.0)
+    denom = jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    o = jnp.einsum("nkgbc,nckd->nbkgd", p / denom, v.astype(jnp.float32))  # [N, Bq, KVH, G, D]
+    return o.reshape(n, bq, h, d).astype(q.dtype)

@@ -1,0 +1,79 @@
+"""Paged attention in plain XLA that stops at the longest live context (the CPU / fallback path).
+
+Same contract as :func:`paged_attention_reference` (see that module for the layout). Instead of
+gathering every block's whole page list, it walks the page tables in chunks of
+``pages_per_chunk`` pages with an online (flash-style) softmax inside a ``lax.while_loop`` whose
+trip count is *traced*: ceil(longest live context / chunk). A step whose sequences are short only
+gathers their few pages, and the context length never enters a shape, so it never recompiles.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.paged_attention_reference import _NEG, gather_pages, key_mask
+
+
+def paged_attention_xla(
+    q: Float[Array, "n bq h d"],
+    k_pages: Float[Array, "kvh p s d"],
+    v_pages: Float[Array, "kvh p s d"],
+    block_tables: Int[Array, "n mp"],
+    q_positions: Int[Array, "n bq"],
+    *,
+    sliding_window: int | None = None,
+    scale: float | None = None,
+    pages_per_chunk: int = 8,
+) -> Float[Array, "n bq h d"]:
+    n, bq, h, d = q.shape
+    kvh, _, page_size, _ = k_pages.shape
+    g = h // kvh
+    scale = d**-0.5 if scale is None else scale
+    mp = block_tables.shape[1]
+    cp = max(1, min(pages_per_chunk, mp))
+    num_chunks_static = -(-mp // cp)
+    tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks_static * cp - mp)))  # [N, chunks*CP]
+    chunk_len = cp * page_size
+
+    block_last = jnp.max(q_positions, axis=1)  # [N] last query position per block (-1: padding)
+    live_len = jnp.max(block_last) + 1  # longest live context in this call
+    num_chunks = jnp.clip((live_len + chunk_len - 1) // chunk_len, 0, num_chunks_static)
+    # Sliding window: skip chunks entirely before every block's window.
+    first_chunk = jnp.int32(0)
+    if sliding_window is not None:
+        valid_first = jnp.where(q_positions >= 0, q_positions, jnp.iinfo(jnp.int32).max)
+        lowest = jnp.min(valid_first) - sliding_window + 1
+        first_chunk = jnp.clip(lowest // chunk_len, 0, num_chunks_static).astype(jnp.int32)
+
+    qg = q.reshape(n, bq, kvh, g, d).astype(jnp.float32) * scale  # [N, Bq, KVH, G, D]
+
+    def body(carry):
+        i, m, l_sum, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(tables, i * cp, cp, axis=1)  # [N, CP]
+        k = gather_pages(k_pages, pages)  # [N, CL, KVH, D]
+        v = gather_pages(v_pages, pages)
+        kpos = i * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)  # [CL]
+        live = kpos[None, :] <= block_last[:, None]  # [N, CL]
+        k = jnp.where(live[:, :, None, None], k, 0).astype(jnp.float32)
+        v = jnp.where(live[:, :, None, None], v, 0).astype(jnp.float32)
+        mask = key_mask(q_positions, kpos, sliding_window)[:, None, None]  # [N, 1, 1, Bq, CL]
+        s = jnp.einsum("nbkgd,nckd->nkgbc", qg, k)  # [N, KVH, G, Bq, CL]
+        s = jnp.where(mask, s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # [N, KVH, G, Bq]
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l_sum = alpha * l_sum + jnp.sum(p, axis=-1)
+        acc = alpha[..., None] * acc + jnp.einsum("nkgbc,nckd->nkgbd", p, v)
+        return i + 1, m_new, l_sum, acc
+
+    init = (
+        first_chunk,
+        jnp.full((n, kvh, g, bq), _NEG, jnp.float32),
+        jnp.zeros((n, kvh, g, bq), jnp.float32),
+        jnp.zeros((n, kvh, g, bq, d), jnp.float32),
+    )
+    _, _, l_sum, acc = jax.lax.while_loop(lambda c: c[0] < num_chunks, body, init)
+    o = acc / jnp.maximum(l_sum, 1e-30)[..., None]  # [N, KVH, G, Bq, D]
+    return o.transpose(0, 3, 1, 2, 4).reshape(n, bq, h, d).astype(q.dtype)
