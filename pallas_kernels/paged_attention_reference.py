@@ -2,7 +2,8 @@
 
 Vocabulary shared by every implementation in this package:
 
-* **KV pool** (one layer): ``k_pages, v_pages: [KVH, P, S, D]`` — KV heads, pages, page size, head dim.
+* **KV pool** (one layer): ``k_pages, v_pages: [KVH, P, S, D]`` (KV heads, pages, page size,
+  head dim).
   KV heads lead so tensor parallelism shards the pool on axis 0 with no data movement, and each
   (head, page) is one contiguous ``S x D`` tile, which is what a GPU kernel loads per block.
 * **Query blocks**: ``q: [N, Bq, H, D]`` — N blocks of Bq query rows; every row of a block belongs
@@ -26,7 +27,7 @@ _NEG = -1e30  # finite "minus infinity": keeps exp() and max() NaN-free on fully
 
 
 def key_mask(
-    q_positions: Int[Array, "n bq"], key_positions: Int[Array, "c"], sliding_window: int | None
+    q_positions: Int[Array, "n bq"], key_positions: Int[Array, " c"], sliding_window: int | None
 ) -> Array:
     """[N, Bq, C] boolean: which keys each query row may attend to."""
     qp = q_positions[:, :, None]  # [N, Bq, 1]
@@ -58,7 +59,7 @@ def paged_attention_reference(
     sliding_window: int | None = None,
     scale: float | None = None,
 ) -> Float[Array, "n bq h d"]:
-    """Attention of query blocks over their sequences' whole page lists (obviously correct, slow)."""
+    """Attention of query blocks over their sequences' whole page lists (plainly correct, slow)."""
     n, bq, h, d = q.shape
     kvh = k_pages.shape[0]
     g = h // kvh

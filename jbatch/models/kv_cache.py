@@ -42,11 +42,11 @@ class KVCache:
 
 def write_locations(
     page_tables: Int[Array, "slots max_pages"],
-    slots: Int[Array, "t"],
-    positions: Int[Array, "t"],
+    slots: Int[Array, " t"],
+    positions: Int[Array, " t"],
     page_size: int,
     num_pages: int,
-) -> tuple[Int[Array, "t"], Int[Array, "t"]]:
+) -> tuple[Int[Array, " t"], Int[Array, " t"]]:
     """(page, offset) of each token's K/V; padding tokens (position < 0) get page ``num_pages``,
     out of bounds, so their scatter is dropped."""
     max_pages = page_tables.shape[1]
@@ -62,8 +62,8 @@ def write_layer(
     layer: int,
     k_new: Float[Array, "t kvh d"],
     v_new: Float[Array, "t kvh d"],
-    pages: Int[Array, "t"],
-    offsets: Int[Array, "t"],
+    pages: Int[Array, " t"],
+    offsets: Int[Array, " t"],
 ) -> KVCache:
     """Scatter one layer's new K/V rows into the pool (in place when the cache is donated)."""
     # The int layer index and the (pages, offsets) arrays are all advanced indices, so the indexed
