@@ -1,0 +1,248 @@
+"""Device-side token sampling for all engine slots at once (pure JAX, jitted once).
+
+Every sampling parameter is a traced per-slot array, so one compiled program serves any mix of
+requests. Expensive stages are skipped at run time with ``lax.cond`` when no slot needs them:
+penalties, top-k / top-p filtering, and the random draw (all rows greedy). There is no full-vocab
+sort (slow on CPU): top-k / top-p thresholds come from the ``CANDIDATES`` largest logits, or, for
+rows whose k or nucleus is larger, from an exact 32-pass bisection over the float order.
+
+Order (vLLM / Hugging Face semantics): 1. repetition penalty over prompt ∪ output tokens, then
+presence / frequency penalties over output tokens only; 2. rows with temperature < GREEDY_EPS
+take the argmax of the penalised logits; 3. other rows: divide by temperature, top-k, top-p (on
+the top-k renormalised distribution), min-p (ties at every threshold are kept), then
+inverse-CDF sampling with one uniform from ``fold_in(key(seed), step_index)`` per row. A row's
+token depends only on its own logits, parameters, seed and step: all float sums use a fixed
+pairwise order (batch invariance).
+The returned logprob is that of the chosen token under ``log_softmax(logits)`` (raw model).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int32, UInt32
+
+GREEDY_EPS = 1e-5  # temperature below this is greedy (matches SamplingParams.is_greedy)
+CANDIDATES = 256  # top-k / top-p are resolved from this many largest logits when possible
+BLOCK = 256  # inverse-CDF sampling: vocab is scanned in blocks of this many tokens
+
+
+@flax.struct.dataclass
+class SlotSampling:
+    """Per-slot sampling parameters, one row per engine slot (fixed shape, always traced)."""
+
+    temperature: Float[Array, " slots"]  # 0 = greedy
+    top_k: Int32[Array, " slots"]  # 0 = off
+    top_p: Float[Array, " slots"]  # 1 = off
+    min_p: Float[Array, " slots"]  # 0 = off
+    repetition_penalty: Float[Array, " slots"]  # 1 = off
+    presence_penalty: Float[Array, " slots"]  # 0 = off
+    frequency_penalty: Float[Array, " slots"]  # 0 = off
+    seed: UInt32[Array, " slots"]
+
+    @classmethod
+    def neutral(cls, slots: int) -> SlotSampling:
+        """Greedy, no filtering, no penalties, seed 0 for every slot."""
+        zeros, ones = jnp.zeros((slots,), jnp.float32), jnp.ones((slots,), jnp.float32)
+        top_k, seed = jnp.zeros((slots,), jnp.int32), jnp.zeros((slots,), jnp.uint32)
+        return cls(zeros, top_k, ones, zeros, ones, zeros, zeros, seed)
+
+    def set_row(self, slot: int | Int32[Array, ""], **values) -> SlotSampling:
+        """A copy with row ``slot`` set from ``values`` (field=value; jit-able, may be traced).
+
+        Fields not given keep their current value, e.g. ``sp.set_row(3, temperature=0.7)``.
+        """
+        fields = {k: getattr(self, k) for k in values}
+        return self.replace(
+            **{k: a.at[slot].set(jnp.asarray(values[k], a.dtype)) for k, a in fields.items()}
+        )
+
+
+def _apply_penalties(
+    x: Float[Array, "slots vocab"],
+    sp: SlotSampling,
+    prompt_mask: Bool[Array, "slots vocab"],
+    output_counts: Int32[Array, "slots vocab"],
+) -> Float[Array, "slots vocab"]:
+    in_output = output_counts > 0  # [S, V]
+    r = sp.repetition_penalty[:, None]  # [S, 1]
+    x = jnp.where(prompt_mask | in_output, jnp.where(x > 0, x / r, x * r), x)  # [S, V]
+    freq = sp.frequency_penalty[:, None] * output_counts.astype(jnp.float32)  # [S, V]
+    return x - (freq + sp.presence_penalty[:, None] * in_output)  # [S, V]
+
+
+def _tree_sum(x: Float[Array, "*b n"]) -> Float[Array, "*b"]:
+    """Pairwise sum over the last axis; XLA's row sums round differently per batch size."""
+    width = 1 << (x.shape[-1] - 1).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+    while x.shape[-1] > 1:
+        x = x[..., : x.shape[-1] // 2] + x[..., x.shape[-1] // 2 :]
+    return x[..., 0]
+
+
+def _cumsum(x: Float[Array, "*b n"]) -> Float[Array, "*b n"]:
+    """Inclusive prefix sum over the last axis from elementwise adds only (batch-invariant)."""
+    shift = 1
+    while shift < x.shape[-1]:
+        x = x + jnp.pad(x[..., :-shift], [(0, 0)] * (x.ndim - 1) + [(shift, 0)])
+        shift *= 2
+    return x
+
+
+def _top_k_index(top_k: Int32[Array, " slots"], vocab: int) -> Int32[Array, " slots"]:
+    return jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)  # [S] k, V when off
+
+
+def _candidate_threshold(
+    scaled: Float[Array, "slots vocab"], sp: SlotSampling
+) -> tuple[Float[Array, " slots"], Bool[Array, " slots"]]:
+    """Top-k then top-p threshold from the CANDIDATES largest logits; ok=False: not decidable."""
+    vocab = scaled.shape[-1]
+    n = min(vocab, CANDIDATES)
+    cand = jax.lax.top_k(scaled, n)[0]  # [S, C] largest first
+    k = _top_k_index(sp.top_k, vocab)  # [S]
+    kth = jnp.take_along_axis(cand, jnp.minimum(k - 1, n - 1)[:, None], axis=-1)[:, 0]  # [S]
+    kth = jnp.where(k < vocab, kth, -jnp.inf)  # [S]
+    mass = _tree_sum(jnp.where(scaled >= kth[:, None], jnp.exp(scaled), 0.0))  # [S]
+    w = jnp.where(cand >= kth[:, None], jnp.exp(cand), 0.0)  # [S, C]
+    before = _cumsum(w) - w  # [S, C] mass of strictly larger candidates
+    n_keep = jnp.sum(before < (sp.top_p * mass)[:, None], axis=-1)  # [S]
+    pth = jnp.take_along_axis(cand, jnp.clip(n_keep - 1, 0, n - 1)[:, None], axis=-1)[:, 0]
+    pth = jnp.where(sp.top_p < 1.0, pth, -jnp.inf)  # [S]
+    ok = (k <= n) & ((sp.top_p >= 1.0) | (n_keep < n) | (n == vocab))  # [S]
+    return jnp.maximum(kth, pth), ok
+
+
+def _bisect(
+    keys: UInt32[Array, "slots vocab"], weight: Float[Array, "slots vocab"], target
+) -> UInt32[Array, " slots"]:
+    """Per row, the largest t with sum(weight[keys >= t]) >= target (MSB-first, 32 passes)."""
+
+    def body(i, t):
+        trial = t | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))  # [S]
+        mass = _tree_sum(jnp.where(keys >= trial[:, None], weight, 0.0))  # [S]
+        return jnp.where(mass >= target, trial, t)
+
+    return jax.lax.fori_loop(0, 32, body, jnp.zeros(keys.shape[:1], jnp.uint32))
+
+
+def _exact_threshold(
+    scaled: Float[Array, "slots vocab"], sp: SlotSampling
+) -> Float[Array, " slots"]:
+    """Top-k then top-p threshold by exact bisection over the float order (no sort)."""
+    vocab = scaled.shape[-1]
+    bits = jax.lax.bitcast_convert_type(scaled, jnp.int32)  # [S, V]
+    keys = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # [S, V] int order == float order
+    keys = jax.lax.bitcast_convert_type(keys ^ jnp.int32(-(2**31)), jnp.uint32)  # unsigned order
+    k = _top_k_index(sp.top_k, vocab)  # [S]
+    kkey = jax.lax.cond(  # top-k pass skipped when no row has k on: flat top-p is the usual case
+        jnp.any(k < vocab),
+        lambda: jnp.where(k < vocab, _bisect(keys, jnp.ones_like(scaled), k * 1.0), 0),
+        lambda: jnp.zeros(k.shape, jnp.uint32),
+    ).astype(jnp.uint32)  # [S]
+    w = jnp.where(keys >= kkey[:, None], jnp.exp(scaled), 0.0)  # [S, V]
+    pkey = _bisect(keys, w, sp.top_p * _tree_sum(w))  # [S]
+    pkey = jnp.where(sp.top_p < 1.0, pkey, jnp.uint32(0))  # [S]
+    t = jax.lax.bitcast_convert_type(jnp.maximum(kkey, pkey), jnp.int32) ^ jnp.int32(-(2**31))
+    thr = jax.lax.bitcast_convert_type(jnp.where(t < 0, t ^ 0x7FFFFFFF, t), jnp.float32)
+    return jnp.where(jnp.isnan(thr), -jnp.inf, thr)  # [S]; key 0 (= no filter) maps to NaN
+
+
+def _filter_threshold(
+    scaled: Float[Array, "slots vocab"], sp: SlotSampling, needs: Bool[Array, " slots"]
+) -> Float[Array, " slots"]:
+    fast, ok = _candidate_threshold(scaled, sp)  # [S], [S]
+    slow = needs & ~ok  # [S] rows whose nucleus / k is larger than the candidate set
+    return jax.lax.cond(
+        jnp.any(slow),
+        lambda: jnp.where(slow, _exact_threshold(scaled, sp), fast),
+        lambda: fast,
+    )
+
+
+def _inverse_cdf(
+    masked: Float[Array, "slots vocab"], u: Float[Array, " slots"]
+) -> Int32[Array, " slots"]:
+    """Token with cumulative mass just above u * total, in two levels (blocks, then tokens)."""
+    slots, vocab = masked.shape
+    block = min(vocab, BLOCK)
+    nb = -(-vocab // block)
+    p = jnp.pad(jnp.exp(masked), ((0, 0), (0, nb * block - vocab)))  # [S, NB*B], 0 = filtered
+    blocks = p.reshape(slots, nb, block)  # [S, NB, B]
+
+    def pick(w: Float[Array, "slots n"], target: Float[Array, " slots"]):
+        cum = _cumsum(w)  # [S, n]
+        last = w.shape[-1] - 1 - jnp.argmax(jnp.flip(w > 0, axis=-1), axis=-1)  # [S]
+        i = jnp.minimum(jnp.sum(cum <= target[:, None], axis=-1), last)  # [S] never a 0 entry
+        before = jnp.take_along_axis(cum - w, i[:, None], axis=-1)[:, 0]  # [S]
+        return i, target - before
+
+    bsum = _tree_sum(blocks)  # [S, NB]
+    b, rest = pick(bsum, u * _tree_sum(bsum))  # [S], [S]
+    inner = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]  # [S, B]
+    j, _ = pick(inner, rest)  # [S]
+    return jnp.minimum(b * block + j, vocab - 1).astype(jnp.int32)
+
+
+def filtered_logits(
+    x: Float[Array, "slots vocab"], sp: SlotSampling, greedy: Bool[Array, " slots"]
+) -> Float[Array, "slots vocab"]:
+    """(x - max) / temperature with tokens removed by top-k / top-p / min-p set to -inf."""
+    vocab = x.shape[-1]
+    row_max = jnp.max(x, axis=-1, keepdims=True)  # [S, 1]
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # all -inf row: stay finite
+    temp = jnp.where(greedy, 1.0, sp.temperature)[:, None]  # [S, 1]
+    # Shift first so a tiny temperature only pushes values towards -inf, never to +inf/NaN.
+    scaled = (x - row_max) / temp  # [S, V], max 0
+
+    needs = ~greedy & ((_top_k_index(sp.top_k, vocab) < vocab) | (sp.top_p < 1.0))  # [S]
+    thr = jax.lax.cond(
+        jnp.any(needs),
+        lambda: _filter_threshold(scaled, sp, needs),
+        lambda: jnp.full((x.shape[0],), -jnp.inf, jnp.float32),
+    )  # [S]
+    # min-p: prob_i >= min_p * prob_max  <=>  scaled_i >= max(scaled) + log(min_p); max is 0.
+    thr = jnp.maximum(thr, jnp.log(sp.min_p))  # [S]; log(0) = -inf disables it
+    return jnp.where(scaled >= thr[:, None], scaled, -jnp.inf)  # [S, V]
+
+
+def _random_tokens(
+    x: Float[Array, "slots vocab"],
+    sp: SlotSampling,
+    step_index: Int32[Array, " slots"],
+    greedy: Bool[Array, " slots"],
+) -> Int32[Array, " slots"]:
+    def uniform(seed: UInt32[Array, ""], step: Int32[Array, ""]) -> Float[Array, ""]:
+        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step))
+
+    u = jax.vmap(uniform)(sp.seed, step_index)  # [S]
+    return _inverse_cdf(filtered_logits(x, sp, greedy), u)  # [S]
+
+
+def sample(
+    logits: Float[Array, "slots vocab"],
+    sp: SlotSampling,
+    step_index: Int32[Array, " slots"],
+    prompt_mask: Bool[Array, "slots vocab"],
+    output_counts: Int32[Array, "slots vocab"],
+) -> tuple[Int32[Array, " slots"], Float[Array, " slots"]]:
+    """Pick one token per slot; returns (token ids [S], raw-model logprob of each token [S])."""
+    logits = logits.astype(jnp.float32)  # [S, V]
+    pen = (sp.repetition_penalty != 1) | (sp.presence_penalty != 0) | (sp.frequency_penalty != 0)
+    x = jax.lax.cond(
+        jnp.any(pen),
+        lambda: _apply_penalties(logits, sp, prompt_mask, output_counts),
+        lambda: logits,
+    )  # [S, V]
+    greedy = sp.temperature < GREEDY_EPS  # [S]
+    greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [S]
+    tokens = jax.lax.cond(
+        jnp.all(greedy),
+        lambda: greedy_tok,
+        lambda: jnp.where(greedy, greedy_tok, _random_tokens(x, sp, step_index, greedy)),
+    )  # [S]
+    row_max = jnp.max(logits, axis=-1)  # [S]
+    lse = row_max + jnp.log(_tree_sum(jnp.exp(logits - row_max[:, None])))  # [S]
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse  # [S]
+    return tokens, jnp.where(jnp.isnan(chosen), -jnp.inf, chosen)

@@ -1,0 +1,157 @@
+"""SamplingParams: the per-request sampling options (vLLM-compatible names and defaults).
+
+Host-side and plain Python: validated once when a request arrives, then the engine copies the
+numeric fields into its fixed-shape per-slot device arrays (see ``jbatch.engine.sampler``).
+Every invalid value raises ``ValueError`` naming the field and the offending value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+MAX_LOGPROBS = 20
+SEED_LIMIT = 2**32  # seeds are stored as uint32 on the device
+GREEDY_EPS = 1e-5  # temperature below this means greedy (same constant as the device sampler)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling options of one request.
+
+    ``temperature == 0`` means greedy decoding. ``top_k`` 0 (or -1, normalised to 0) disables
+    top-k. ``max_tokens=None`` means "until the model's maximum length". ``seed=None`` lets the
+    engine choose a random seed. ``stop`` becomes a tuple of strings and ``stop_token_ids`` a
+    tuple of ints after construction.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)
+
+        # --- integers ---------------------------------------------------------------------
+        def need_int(name: str, *, optional: bool = False) -> int | None:
+            v = getattr(self, name)
+            if v is None and optional:
+                return None
+            if not _is_int(v):
+                raise ValueError(f"{name} must be an int, got {v!r}")
+            return v
+
+        n = need_int("n")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        top_k = need_int("top_k")
+        if top_k == -1:
+            set_("top_k", 0)
+        elif top_k < 0:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {top_k}")
+        seed = need_int("seed", optional=True)
+        if seed is not None and not 0 <= seed < SEED_LIMIT:
+            raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+        max_tokens = need_int("max_tokens", optional=True)
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
+        min_tokens = need_int("min_tokens")
+        if min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}")
+        logprobs = need_int("logprobs", optional=True)
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {logprobs}")
+
+        # --- floats (ints accepted and converted) --------------------------------------------
+        def need_real(name: str, ok: Callable[[float], bool], rule: str) -> None:
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+            set_(name, float(v))
+            if not ok(float(v)):
+                raise ValueError(f"{name} must be {rule}, got {v!r}")
+
+        need_real("temperature", lambda t: t >= 0.0, ">= 0")
+        need_real("top_p", lambda p: 0.0 < p <= 1.0, "in (0, 1]")
+        need_real("min_p", lambda p: 0.0 <= p <= 1.0, "in [0, 1]")
+        need_real("repetition_penalty", lambda r: r > 0.0, "> 0")
+        need_real("presence_penalty", lambda p: -2.0 <= p <= 2.0, "in [-2, 2]")
+        need_real("frequency_penalty", lambda p: -2.0 <= p <= 2.0, "in [-2, 2]")
+
+        # --- booleans ---------------------------------------------------------------------
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be a bool, got {v!r}")
+
+        # --- stop strings / ids -------------------------------------------------------------
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, list | tuple):
+            stop = tuple(stop)
+        else:
+            raise ValueError(f"stop must be a str, a list of str or None, got {stop!r}")
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain only non-empty strings, got {self.stop!r}")
+        set_("stop", stop)
+
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = ()
+        elif isinstance(ids, list | tuple):
+            ids = tuple(ids)
+        else:
+            raise ValueError(f"stop_token_ids must be a list of int or None, got {ids!r}")
+        for t in ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(
+                    f"stop_token_ids must contain only ints >= 0, got {self.stop_token_ids!r}"
+                )
+        set_("stop_token_ids", ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when decoding is argmax (temperature 0); top-k/top-p/min-p are then irrelevant."""
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def replace(self, **kw: Any) -> SamplingParams:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **kw)
