@@ -1,0 +1,64 @@
+"""Tiny random-weight HF checkpoints (saved with ``save_pretrained``) used as the test oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+_BASE = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# name -> (config class, model class, config overrides)
+VARIANTS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3_rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            num_key_value_heads=1,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "llama_linear_rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(rope_scaling=dict(rope_type="linear", factor=2.0), attention_bias=True),
+    ),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=12, head_dim=32)),
+}
+
+
+def make_checkpoint(name: str, directory: Path, seed: int = 0):
+    """Save a random-weight model of variant ``name`` into ``directory``; return the torch model."""
+    cfg_cls, model_cls, overrides = VARIANTS[name]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_cls)(**{**_BASE, **overrides})
+    cfg._attn_implementation = "eager"
+    model = getattr(transformers, model_cls)(cfg).eval()
+    # Random init has tiny weights; scale up so logits are not all near-tied.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    model.save_pretrained(directory)
+    return model

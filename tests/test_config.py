@@ -1,0 +1,91 @@
+"""ModelConfig parsing: supported families, rope scaling, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jbatch.models.config import ConfigError, ModelConfig, rope_inv_freq
+
+BASE = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def test_parses_llama_with_defaults():
+    cfg = ModelConfig.from_hf_dict(BASE)
+    assert (cfg.model_type, cfg.head_dim, cfg.q_per_kv) == ("llama", 16, 2)
+    assert cfg.sliding_windows == (None, None)
+
+
+@pytest.mark.parametrize(
+    "arch,family", [("MistralForCausalLM", "mistral"), ("Qwen2ForCausalLM", "qwen2")]
+)
+def test_families(arch, family):
+    cfg = ModelConfig.from_hf_dict({**BASE, "architectures": [arch], "sliding_window": 32})
+    assert cfg.model_type == family
+    assert cfg.qkv_bias == (family == "qwen2")
+    assert cfg.sliding_windows == ((32, 32) if family == "mistral" else (None, None))
+
+
+def test_qwen2_sliding_window_applies_from_max_window_layers():
+    hf = {
+        **BASE,
+        "architectures": ["Qwen2ForCausalLM"],
+        "num_hidden_layers": 3,
+        "use_sliding_window": True,
+        "sliding_window": 16,
+        "max_window_layers": 1,
+    }
+    assert ModelConfig.from_hf_dict(hf).sliding_windows == (None, 16, 16)
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel"):
+        ModelConfig.from_hf_dict({**BASE, "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ConfigError, match="'gpt2'"):
+        ModelConfig.from_hf_dict(
+            {**{k: v for k, v in BASE.items() if k != "architectures"}, "model_type": "gpt2"}
+        )
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "num_attention_heads"])
+def test_missing_field_is_named(field, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({k: v for k, v in BASE.items() if k != field}))
+    with pytest.raises(ConfigError, match=f"{path}.*{field}"):
+        ModelConfig.from_file(path)
+
+
+def test_bad_values_are_named():
+    with pytest.raises(ConfigError, match="num_key_value_heads=3"):
+        ModelConfig.from_hf_dict({**BASE, "num_key_value_heads": 3})
+    with pytest.raises(ConfigError, match="'yarn'"):
+        ModelConfig.from_hf_dict({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ConfigError, match="low_freq_factor"):
+        ModelConfig.from_hf_dict({**BASE, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(ConfigError, match="gelu"):
+        ModelConfig.from_hf_dict({**BASE, "hidden_act": "gelu"})
+
+
+def test_missing_and_invalid_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModelConfig.from_file(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_file(tmp_path / "config.json")
+
+
+def test_linear_rope_divides_frequencies():
+    plain = rope_inv_freq(ModelConfig.from_hf_dict(BASE))
+    scaled = rope_inv_freq(
+        ModelConfig.from_hf_dict({**BASE, "rope_scaling": {"type": "linear", "factor": 4.0}})
+    )
+    assert scaled == pytest.approx([f / 4 for f in plain])
