@@ -44,9 +44,10 @@ class SlotSampling:
     @classmethod
     def neutral(cls, slots: int) -> SlotSampling:
         """Greedy, no filtering, no penalties, seed 0 for every slot."""
-        zeros, ones = jnp.zeros((slots,), jnp.float32), jnp.ones((slots,), jnp.float32)
+        # Distinct buffers for every field: the engine state that holds them is donated.
+        f32 = lambda v: jnp.full((slots,), v, jnp.float32)
         top_k, seed = jnp.zeros((slots,), jnp.int32), jnp.zeros((slots,), jnp.uint32)
-        return cls(zeros, top_k, ones, zeros, ones, zeros, zeros, seed)
+        return cls(f32(0.0), top_k, f32(1.0), f32(0.0), f32(1.0), f32(0.0), f32(0.0), seed)
 
     def set_row(self, slot: int | Int32[Array, ""], **values) -> SlotSampling:
         """A copy with row ``slot`` set from ``values`` (field=value; jit-able, may be traced).

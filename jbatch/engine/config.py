@@ -1,0 +1,63 @@
+"""EngineConfig: every static size of the engine, validated once, never traced."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels import IMPLEMENTATIONS
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static engine sizes. Each field maps onto a CLI flag of the same name (``--max-slots``...).
+
+    max_slots: sequences decoded together (rows of every slot array).
+    page_size / num_pages: the paged KV pool (tokens per page, pages in the pool).
+    max_num_batched_tokens: token budget of one step (decode tokens + prompt-chunk tokens).
+    max_seq_len: longest sequence (prompt + output) a slot may hold.
+    block_q: prompt chunks are laid out in blocks of this many query rows (one sequence a block).
+    attn_impl: paged attention implementation ("auto" picks the fastest on the backend).
+    """
+
+    max_slots: int = 8
+    page_size: int = 16
+    num_pages: int = 512
+    max_num_batched_tokens: int = 256
+    max_seq_len: int = 2048
+    dtype: str = "float32"
+    block_q: int = 16
+    attn_impl: str = "auto"
+    async_scheduling: bool = True
+
+    def __post_init__(self):
+        for name in (
+            "max_slots",
+            "page_size",
+            "num_pages",
+            "max_num_batched_tokens",
+            "max_seq_len",
+            "block_q",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attn_impl not in IMPLEMENTATIONS:
+            raise ValueError(f"attn_impl must be one of {IMPLEMENTATIONS}, got {self.attn_impl!r}")
+        if self.max_num_batched_tokens < self.block_q:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"block_q={self.block_q} so a prompt chunk fits in a step"
+            )
+        if self.num_pages * self.page_size < self.max_seq_len:
+            raise ValueError(
+                f"the KV pool (num_pages={self.num_pages} x page_size={self.page_size} tokens) "
+                f"cannot hold one sequence of max_seq_len={self.max_seq_len}"
+            )
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.page_size)

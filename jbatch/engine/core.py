@@ -1,0 +1,198 @@
+"""The jit-able device API: ``insert``, ``step``, ``release`` over an :class:`EngineState`.
+
+All three are pure functions of (params, state, small fixed-shape inputs). ``EngineCore`` wraps
+them in ``jax.jit`` with the state donated, so the KV pool is updated in place; users may also call
+the pure functions inside their own ``jax.jit`` / ``lax.scan`` (see ``tests/test_engine_core.py``).
+
+One step:
+1. apply page-table writes (pages the host allocated for this step);
+2. build the token buffer: ``max_slots`` decode rows (slot i decodes its last token at position
+   ``seq_lens[i]`` if ``decode_mask[i]``) followed by the prompt-chunk rows from the host;
+3. run the model, scattering K/V into the pool and attending through the page tables;
+4. sample one token for every slot that decoded or finished its prompt this step;
+5. advance lengths, counters, and penalty statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jaxtyping import Array, Bool, Float, Int32
+
+from jbatch.engine import buckets
+from jbatch.engine.config import EngineConfig
+from jbatch.engine.sampler import SlotSampling, sample
+from jbatch.engine.state import EngineState
+from jbatch.models.config import ModelConfig
+from jbatch.models.llama import compute_logits, forward
+
+
+@struct.dataclass
+class SlotInsert:
+    """New sequences for the slots where ``mask`` is set (other rows are ignored)."""
+
+    mask: Bool[Array, " slots"]
+    prefill_lens: Int32[Array, " slots"]  # tokens to prefill (prompt, plus outputs on resume)
+    prompt_lens: Int32[Array, " slots"]
+    num_generated: Int32[Array, " slots"]  # > 0 when resuming a preempted sequence
+    max_tokens: Int32[Array, " slots"]
+    sampling: SlotSampling
+
+
+@struct.dataclass
+class StepBatch:
+    """Host inputs of one step. ``rows`` (a bucket) prompt-chunk rows; padding has position -1.
+    Page writes set ``page_tables[write_slots, write_index] = write_pages``; padding entries use
+    slot ``max_slots`` (out of bounds, dropped)."""
+
+    prefill_tokens: Int32[Array, " rows"]
+    prefill_slots: Int32[Array, " rows"]
+    prefill_positions: Int32[Array, " rows"]
+    write_slots: Int32[Array, " writes"]
+    write_index: Int32[Array, " writes"]
+    write_pages: Int32[Array, " writes"]
+
+    @classmethod
+    def empty(cls, cfg: EngineConfig, rows: int = 0) -> StepBatch:
+        """A batch with ``rows`` padding chunk rows and no page writes (decode only)."""
+        w = buckets.max_page_writes(cfg)
+        return cls(
+            prefill_tokens=np.zeros(rows, np.int32),
+            prefill_slots=np.zeros(rows, np.int32),
+            prefill_positions=np.full(rows, -1, np.int32),
+            write_slots=np.full(w, cfg.max_slots, np.int32),
+            write_index=np.zeros(w, np.int32),
+            write_pages=np.zeros(w, np.int32),
+        )
+
+
+@struct.dataclass
+class StepOutput:
+    tokens: Int32[Array, " slots"]  # sampled token per slot (valid where sampled)
+    sampled: Bool[Array, " slots"]
+    logprobs: Float[Array, " slots"]  # log-probability of the sampled token (raw model)
+
+
+def insert(state: EngineState, ins: SlotInsert) -> EngineState:
+    """Start new sequences in the masked slots: reset their rows, set their parameters."""
+    m = ins.mask
+    pick = lambda new, old: jnp.where(m.reshape(m.shape + (1,) * (old.ndim - 1)), new, old)
+    return state.replace(
+        page_tables=pick(state.cache.num_pages, state.page_tables),
+        tokens=pick(0, state.tokens),
+        seq_lens=pick(0, state.seq_lens),
+        prefill_lens=pick(ins.prefill_lens, state.prefill_lens),
+        prompt_lens=pick(ins.prompt_lens, state.prompt_lens),
+        active=state.active | m,
+        num_generated=pick(ins.num_generated, state.num_generated),
+        max_tokens=pick(ins.max_tokens, state.max_tokens),
+        sampling=jax.tree.map(pick, ins.sampling, state.sampling),
+        prompt_mask=pick(False, state.prompt_mask),
+        output_counts=pick(0, state.output_counts),
+    )
+
+
+def release(state: EngineState, mask: Bool[Array, " slots"]) -> EngineState:
+    """Retire the masked slots; they stop decoding at once (their pages belong to the host)."""
+    return state.replace(active=state.active & ~mask)
+
+
+def step(
+    params: dict,
+    state: EngineState,
+    batch: StepBatch,
+    *,
+    model_cfg: ModelConfig,
+    block_q: int,
+    attn_impl: str = "auto",
+) -> tuple[EngineState, StepOutput]:
+    """One model pass over decode rows + prompt-chunk rows, then sampling (see module doc)."""
+    s = state.max_slots
+    slot_ids = jnp.arange(s, dtype=jnp.int32)
+    page_tables = state.page_tables.at[batch.write_slots, batch.write_index].set(
+        batch.write_pages, mode="drop"
+    )
+    decode = state.decode_mask  # [S]
+    p_pos, p_slot = batch.prefill_positions, batch.prefill_slots  # [R]
+    p_valid = p_pos >= 0
+    tokens = jnp.concatenate([state.tokens, batch.prefill_tokens])  # [S + R]
+    positions = jnp.concatenate([jnp.where(decode, state.seq_lens, -1), p_pos])
+    slots = jnp.concatenate([slot_ids, p_slot])
+    hidden, cache = forward(
+        params,
+        model_cfg,
+        state.cache,
+        tokens,
+        positions,
+        slots,
+        page_tables,
+        num_decode=s,
+        block_q=block_q,
+        attn_impl=attn_impl,
+    )
+
+    # Penalty statistics: prompt rows mark the prompt mask, re-fed outputs (resume) count.
+    vocab = state.prompt_mask.shape[1]
+    tok = jnp.clip(batch.prefill_tokens, 0, vocab - 1)
+    is_prompt = p_valid & (p_pos < state.prompt_lens[p_slot])
+    prompt_mask = state.prompt_mask.at[jnp.where(is_prompt, p_slot, s), tok].set(True, mode="drop")
+    counts = state.output_counts.at[jnp.where(p_valid & ~is_prompt, p_slot, s), tok].add(
+        1, mode="drop"
+    )
+
+    # Which row each slot samples from: its decode row, or the row of its last prompt token.
+    completes = p_valid & (p_pos == state.prefill_lens[p_slot] - 1)  # [R]
+    rows = s + jnp.arange(p_pos.shape[0], dtype=jnp.int32)
+    sample_row = slot_ids.at[jnp.where(completes, p_slot, s)].set(rows, mode="drop")
+    sampled = decode.at[jnp.where(completes, p_slot, s)].set(True, mode="drop")
+    logits = compute_logits(params, hidden[sample_row])  # [S, V]
+    new_tok, logprobs = sample(logits, state.sampling, state.num_generated, prompt_mask, counts)
+
+    seq_lens = jnp.where(decode, state.seq_lens + 1, state.seq_lens)
+    seq_lens = seq_lens.at[jnp.where(p_valid, p_slot, s)].max(p_pos + 1, mode="drop")
+    counts = counts.at[jnp.where(sampled, slot_ids, s), new_tok].add(1, mode="drop")
+    new_state = state.replace(
+        cache=cache,
+        page_tables=page_tables,
+        tokens=jnp.where(sampled, new_tok, state.tokens),
+        seq_lens=seq_lens,
+        num_generated=state.num_generated + sampled,
+        prompt_mask=prompt_mask,
+        output_counts=counts,
+    )
+    return new_state, StepOutput(tokens=new_tok, sampled=sampled, logprobs=logprobs)
+
+
+@dataclasses.dataclass
+class EngineCore:
+    """The device functions jitted once for one (model, engine config), state donated."""
+
+    model_cfg: ModelConfig
+    cfg: EngineConfig
+
+    def __post_init__(self):
+        step_fn = functools.partial(
+            step, model_cfg=self.model_cfg, block_q=self.cfg.block_q, attn_impl=self.cfg.attn_impl
+        )
+        self.step = jax.jit(step_fn, donate_argnums=1)
+        self.insert = jax.jit(insert, donate_argnums=0)
+        self.release = jax.jit(release, donate_argnums=0)
+
+    def empty_insert(self) -> SlotInsert:
+        s = self.cfg.max_slots
+        z = np.zeros(s, np.int32)
+        return SlotInsert(np.zeros(s, bool), z, z, z, z, SlotSampling.neutral(s))
+
+    def warmup(self, params: dict, state: EngineState) -> EngineState:
+        """Compile every program the engine will ever run (one ``step`` per bucket)."""
+        state = self.insert(state, self.empty_insert())
+        state = self.release(state, np.zeros(self.cfg.max_slots, bool))
+        for rows in buckets.prefill_buckets(self.cfg):
+            state, out = self.step(params, state, StepBatch.empty(self.cfg, rows))
+        jax.block_until_ready(out)
+        return state

@@ -1,0 +1,71 @@
+"""Sequence: the host-side record of one request as it moves through the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from jbatch.sampling_params import SamplingParams
+from jbatch.tokenizer import IncrementalDetokenizer
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One request. Counters mirror the device state *as of the last dispatched step*."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: min(params.max_tokens, max_seq_len - prompt length)
+    seed: int  # resolved: params.seed or a random one
+    eos_ids: frozenset[int]
+    prompt: str | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+    detokenizer: IncrementalDetokenizer | None = None
+
+    status: SeqStatus = SeqStatus.WAITING
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    text: str = ""  # detokenized output, stop strings removed
+    emitted_text_len: int = 0  # how much of ``text`` has been streamed
+    # Host mirror of the device counters, advanced when a step is *scheduled*.
+    prefill_ids: list[int] = dataclasses.field(default_factory=list)  # prompt (+ outputs on resume)
+    num_computed: int = 0  # tokens whose K/V the dispatched steps write (device seq_lens)
+    num_sampled: int = 0  # samples the dispatched steps draw (device num_generated)
+    inflight: int = 0  # dispatched steps that sample for this sequence, not yet processed
+    admitted_at: int = -1  # admission counter (preemption picks the most recent)
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prefill_ids)
+
+    @property
+    def can_decode(self) -> bool:
+        """Mirrors ``EngineState.decode_mask`` for a running slot."""
+        return not self.prefilling and self.num_sampled < self.max_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def start(self, slot: int, admitted_at: int) -> None:
+        """Admit into ``slot``: prefill the prompt plus any outputs from before a preemption."""
+        self.status = SeqStatus.RUNNING
+        self.slot = slot
+        self.admitted_at = admitted_at
+        self.prefill_ids = self.prompt_ids + self.output_ids
+        self.num_computed = 0
+        self.num_sampled = len(self.output_ids)

@@ -1,0 +1,69 @@
+"""EngineState: the whole device side of the engine as one typed pytree of fixed-shape arrays.
+
+Every array has a slot axis of ``max_slots`` rows (or is the KV pool), so its shape never depends
+on the workload. The jitted functions in ``core.py`` take it donated and return it updated.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Bool, Int32
+
+from jbatch.engine.config import EngineConfig
+from jbatch.engine.sampler import SlotSampling
+from jbatch.models.config import ModelConfig
+from jbatch.models.kv_cache import KVCache
+
+
+@struct.dataclass
+class EngineState:
+    cache: KVCache  # [L, KVH, P, S, D] K and V
+    # Page ids of each slot's sequence; unassigned entries hold num_pages (out of bounds: writes
+    # through them are dropped, reads are masked by position).
+    page_tables: Int32[Array, "slots max_pages"]
+    tokens: Int32[Array, " slots"]  # last sampled token: the next decode input
+    seq_lens: Int32[Array, " slots"]  # tokens whose K/V is in the pool
+    prefill_lens: Int32[Array, " slots"]  # tokens to prefill before decoding starts
+    prompt_lens: Int32[Array, " slots"]  # original prompt; prefilled tokens past it are outputs
+    active: Bool[Array, " slots"]
+    num_generated: Int32[Array, " slots"]  # samples drawn so far (the per-request RNG counter)
+    max_tokens: Int32[Array, " slots"]  # decoding stops when num_generated reaches this
+    sampling: SlotSampling  # per-slot temperature, top-k/p, min-p, penalties, seed
+    prompt_mask: Bool[Array, "slots vocab"]  # tokens seen in the prompt (repetition penalty)
+    output_counts: Int32[Array, "slots vocab"]  # generated-token counts (presence/frequency)
+
+    @property
+    def max_slots(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def decode_mask(self) -> Bool[Array, " slots"]:
+        """Slots that decode one token in the next step (prompt done, budget left, room left)."""
+        max_len = self.page_tables.shape[1] * self.cache.page_size
+        return (
+            self.active
+            & (self.seq_lens >= self.prefill_lens)
+            & (self.num_generated < self.max_tokens)
+            & (self.seq_lens < max_len)
+        )
+
+
+def init_state(model_cfg: ModelConfig, cfg: EngineConfig) -> EngineState:
+    """A fresh state: empty slots and a zeroed KV pool (finite values only, never NaN)."""
+    s = cfg.max_slots
+    zeros = lambda: jnp.zeros((s,), jnp.int32)  # distinct buffers: each field is donated
+    return EngineState(
+        cache=KVCache.zeros(model_cfg, cfg.num_pages, cfg.page_size, jnp.dtype(cfg.dtype)),
+        page_tables=jnp.full((s, cfg.max_pages_per_seq), cfg.num_pages, jnp.int32),
+        tokens=zeros(),
+        seq_lens=zeros(),
+        prefill_lens=zeros(),
+        prompt_lens=zeros(),
+        active=jnp.zeros((s,), bool),
+        num_generated=zeros(),
+        max_tokens=zeros(),
+        sampling=SlotSampling.neutral(s),
+        prompt_mask=jnp.zeros((s, model_cfg.vocab_size), bool),
+        output_counts=jnp.zeros((s, model_cfg.vocab_size), jnp.int32),
+    )

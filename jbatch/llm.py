@@ -1,0 +1,138 @@
+"""LLM: the offline batch API (vLLM's names), over an :class:`LLMEngine`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from jbatch.checkpoint import load_generation_config, load_model
+from jbatch.engine.config import EngineConfig
+from jbatch.engine.loop import LLMEngine
+from jbatch.outputs import RequestOutput
+from jbatch.sampling_params import SamplingParams
+from jbatch.tokenizer import Tokenizer
+
+Prompt = str | Seq[int]
+
+
+class LLM:
+    """Load a local Hugging Face checkpoint folder and generate with continuous batching.
+
+    ``LLM(model_dir, max_slots=8, page_size=16, num_pages=512, max_num_batched_tokens=256,
+    max_seq_len=2048, dtype="float32")``; any :class:`EngineConfig` field is a keyword.
+    """
+
+    def __init__(self, model: str | Path, *, warmup: bool = True, **engine_kwargs):
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_kwargs) - fields)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; valid: {sorted(fields)}")
+        self.config = EngineConfig(**engine_kwargs)
+        model_cfg, params = load_model(model, dtype=self.config.dtype)
+        if self.config.max_seq_len > model_cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_len={self.config.max_seq_len} exceeds the model's "
+                f"max_position_embeddings={model_cfg.max_position_embeddings}"
+            )
+        gen = load_generation_config(model)
+        tokenizer = Tokenizer.from_dir(model)
+        eos = set(gen.eos_token_ids) | set(model_cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.engine = LLMEngine(model_cfg, params, self.config, tokenizer, sorted(eos), warmup)
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results in input order. With ``n > 1`` a prompt's
+        ``outputs`` holds n completions (seeds ``seed + i`` when a seed is given)."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        # Validate everything before scheduling anything.
+        groups: list[list[str]] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids = []
+                for i in range(p.n):
+                    seed = None if p.seed is None else (p.seed + i) % 2**32
+                    ids.append(self.engine.add_request(prompt, p.replace(n=1, seed=seed)))
+                groups.append(ids)
+        except ValueError:
+            for ids in groups:
+                for rid in ids:
+                    self.engine.abort_request(rid)
+            self._run_until_done(lambda: None)
+            raise
+        bar = tqdm(total=sum(map(len, groups)), desc="generate", disable=not use_tqdm, unit="req")
+        finals: dict[str, RequestOutput] = {}
+
+        def on_output(out: RequestOutput):
+            if out.finished:
+                finals[out.request_id] = out
+                bar.update(1)
+
+        self._run_until_done(on_output)
+        bar.close()
+        results = []
+        for ids in groups:
+            first = finals[ids[0]]
+            outputs = []
+            for i, rid in enumerate(ids):
+                completion = finals[rid].outputs[0]
+                completion.index = i
+                outputs.append(completion)
+                self.engine.requests.pop(rid, None)
+            results.append(dataclasses.replace(first, request_id=ids[0], outputs=outputs))
+        return results
+
+    def generate_stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield a RequestOutput each step the request gets tokens (``delta_text`` is new)."""
+        rid = self.engine.add_request(prompt, sampling_params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort_request(rid)
+            self.engine.requests.pop(rid, None)
+
+    def _run_until_done(self, on_output) -> None:
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                on_output(out)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # a single prompt of token ids
+    return prompts
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
