@@ -8,7 +8,7 @@ import torch
 import transformers
 
 _BASE = dict(
-    vocab_size=160,
+    vocab_size=384,
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -48,6 +48,33 @@ VARIANTS = {
 }
 
 
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Continuous batching keeps every slot busy. "
+    "Pages of keys and values live in a pool; a page table maps positions to pages. "
+    "héllo wörld, naïve café, 你好世界, emoji 🙂🚀 and numbers 0123456789. "
+) * 20
+
+
+def save_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A byte-level BPE trained on a fixed corpus, with <unk>=0, <s>=1, </s>=2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS], trainer)
+    tok.save(str(Path(directory) / "tokenizer.json"))
+    (Path(directory) / "tokenizer_config.json").write_text(
+        '{"bos_token": "<s>", "eos_token": "</s>"}'
+    )
+
+
 def make_checkpoint(name: str, directory: Path, seed: int = 0):
     """Save a random-weight model of variant ``name`` into ``directory``; return the torch model."""
     cfg_cls, model_cls, overrides = VARIANTS[name]
@@ -61,4 +88,5 @@ def make_checkpoint(name: str, directory: Path, seed: int = 0):
             if p.dim() > 1:
                 p.mul_(4.0)
     model.save_pretrained(directory)
+    save_tokenizer(directory, cfg.vocab_size)
     return model

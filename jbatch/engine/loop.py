@@ -120,7 +120,8 @@ class LLMEngine:
             try:
                 ids = [int(t) for t in prompt]
             except (TypeError, ValueError):
-                raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r}")
+                msg = f"prompt must be a string or a list of token ids, got {prompt!r}"
+                raise ValueError(msg) from None
             if any(isinstance(t, bool) or int(t) != t for t in prompt):
                 raise ValueError(f"prompt token ids must be ints, got {list(prompt)!r}")
             text = None
@@ -129,7 +130,8 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
         if bad:
             raise ValueError(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_cfg.vocab_size})"
+                f"prompt token id {bad[0]} is outside the vocabulary "
+                f"[0, {self.model_cfg.vocab_size})"
             )
         return text, ids
 

@@ -1,0 +1,245 @@
+"""The continuous-batching engine end to end: fidelity vs HF, batch invariance, no recompiles,
+no leaks, stop conditions, validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jbatch import LLM, SamplingParams
+from tests.compile_counter import count_compiles
+
+ENGINE = dict(
+    max_slots=4, page_size=8, num_pages=40, max_num_batched_tokens=64, max_seq_len=256, block_q=16
+)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def workload(vocab: int, n: int = 32, seed: int = 0):
+    """Prompt lengths spanning 1..200 and varied max_tokens."""
+    rng = np.random.RandomState(seed)
+    lengths = np.linspace(1, 200, n).astype(int)
+    rng.shuffle(lengths)
+    prompts = [rng.randint(3, vocab, size=int(n_)).tolist() for n_ in lengths]
+    params = [GREEDY.replace(max_tokens=int(rng.randint(1, 40))) for _ in range(n)]
+    return prompts, params
+
+
+def assert_teacher_forced(model, prompt, output_ids, tol=1e-3):
+    """Every generated token is HF's argmax at its position, up to a near-tie of ``tol``."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output_ids])).logits[0].numpy()
+    rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(output_ids)]
+    gap = rows.max(-1) - rows[np.arange(len(output_ids)), output_ids]
+    assert np.all(gap <= tol), f"token {int(np.argmax(gap))} is {gap.max():.4g} below HF's argmax"
+
+
+def assert_drained(llm: LLM):
+    sched = llm.engine.scheduler
+    sched.check_invariants()
+    assert sched.allocator.num_free == llm.config.num_pages, "pages leaked"
+    assert len(sched.free_slots) == llm.config.max_slots, "slots leaked"
+    assert not sched.running and not sched.waiting
+
+
+@pytest.fixture(scope="module")
+def llama(hf_checkpoint):
+    path, model = hf_checkpoint("llama")
+    return LLM(path, **ENGINE), model
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral"])
+def test_greedy_fidelity_vs_hf_through_small_pool(variant, hf_checkpoint, llama):
+    path, model = hf_checkpoint(variant)
+    llm = llama[0] if variant == "llama" else LLM(path, **ENGINE)
+    prompts, params = workload(llm.engine.model_cfg.vocab_size)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, outs):
+        completion = out.outputs[0]
+        assert len(completion.token_ids) == p.max_tokens
+        assert completion.finish_reason == "length"
+        assert_teacher_forced(model, prompt, completion.token_ids)
+    assert_drained(llm)
+    assert llm.engine.scheduler.num_preemptions > 0, "the pool should have forced preemptions"
+
+
+def test_batch_invariance_greedy_and_seeded(llama):
+    llm, _ = llama
+    rng = np.random.RandomState(5)
+    prompts = [rng.randint(3, 384, size=int(n)).tolist() for n in (3, 70, 17, 150, 1, 40)]
+    params = [GREEDY.replace(max_tokens=12)] * 3 + [
+        SamplingParams(
+            temperature=0.9,
+            top_p=0.9,
+            top_k=50,
+            seed=s,
+            max_tokens=12,
+            ignore_eos=True,
+            repetition_penalty=1.2,
+            frequency_penalty=0.5,
+        )
+        for s in (1, 2, 3)
+    ]
+    together = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, together):
+        alone = llm.generate([prompt], p, use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+    assert_drained(llm)
+
+
+def test_no_compiles_after_warmup(llama):
+    llm, _ = llama
+    rng = np.random.RandomState(9)
+    prompts = [rng.randint(3, 384, size=int(n)).tolist() for n in rng.randint(1, 220, 12)]
+    params = [
+        SamplingParams(
+            temperature=float(t),
+            top_k=int(k),
+            top_p=float(tp),
+            min_p=float(mp),
+            presence_penalty=0.3,
+            seed=int(s),
+            max_tokens=int(m),
+            ignore_eos=True,
+        )
+        for t, k, tp, mp, s, m in zip(
+            rng.uniform(0, 2, 12),
+            rng.randint(0, 60, 12),
+            rng.uniform(0.1, 1, 12),
+            rng.uniform(0, 0.2, 12),
+            rng.randint(0, 1000, 12),
+            rng.randint(1, 30, 12),
+        )
+    ]
+    with count_compiles() as compiled:
+        llm.generate(prompts[:6], params[:6], use_tqdm=False)
+        for prompt, p in zip(prompts[6:], params[6:]):  # staggered arrivals
+            llm.engine.add_request(prompt, p)
+            llm.engine.step()
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    assert compiled == [], f"compiled after warm-up: {compiled}"
+    llm.engine.forget_finished()
+    assert_drained(llm)
+
+
+def test_stop_strings_tokens_and_eos(llama):
+    llm, _ = llama
+    prompt = "The quick brown fox"
+    base = llm.generate(prompt, GREEDY.replace(max_tokens=24), use_tqdm=False)[0].outputs[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 24
+    text = base.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = llm.generate(prompt, GREEDY.replace(max_tokens=24, stop=[stop]), use_tqdm=False)[0]
+    c = cut.outputs[0]
+    assert (c.finish_reason, c.stop_reason) == ("stop", stop)
+    assert c.text == text[: text.index(stop)] and stop not in c.text
+    keep = llm.generate(
+        prompt,
+        GREEDY.replace(max_tokens=24, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert keep.text == text[: text.index(stop) + len(stop)]
+    tok = base.token_ids[5]
+    st = llm.generate(prompt, GREEDY.replace(max_tokens=24, stop_token_ids=[tok]), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert st.token_ids == base.token_ids[: base.token_ids.index(tok) + 1]
+    assert (st.finish_reason, st.stop_reason) == ("stop", tok)
+    # EOS: make the engine treat the 4th generated token as EOS unless ignore_eos is set.
+    eos_engine = llm.engine
+    old = eos_engine.eos_ids
+    eos_engine.eos_ids = frozenset({base.token_ids[3]})
+    try:
+        e = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[
+            0
+        ].outputs[0]
+        assert e.token_ids == base.token_ids[: base.token_ids.index(base.token_ids[3]) + 1]
+        assert e.finish_reason == "stop"
+        ig = llm.generate(prompt, GREEDY.replace(max_tokens=24), use_tqdm=False)[0].outputs[0]
+        assert ig.token_ids == base.token_ids
+    finally:
+        eos_engine.eos_ids = old
+    assert_drained(llm)
+
+
+def test_max_seq_len_caps_length(llama):
+    llm, _ = llama
+    prompt = list(range(3, 3 + 250))
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    assert len(out.token_ids) == 256 - 250 and out.finish_reason == "length"
+
+
+def test_streaming_deltas_add_up(llama):
+    llm, _ = llama
+    deltas, ids = [], []
+    for out in llm.generate_stream("Pages of keys", GREEDY.replace(max_tokens=20)):
+        deltas.append(out.delta_text)
+        ids += out.delta_token_ids
+    assert out.finished and "".join(deltas) == out.outputs[0].text
+    assert ids == out.outputs[0].token_ids
+
+
+def test_abort_frees_slot_and_pages(llama):
+    llm, _ = llama
+    eng = llm.engine
+    rid = eng.add_request(list(range(3, 100)), GREEDY.replace(max_tokens=200))
+    other = eng.add_request([5, 6, 7], GREEDY.replace(max_tokens=5))
+    for _ in range(4):
+        eng.step()
+    eng.abort_request(rid)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert eng.requests[rid].finish_reason == "abort"
+    assert [o for o in outs if o.request_id == other][-1].finished
+    eng.forget_finished()
+    assert_drained(llm)
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ([], SamplingParams(), "prompt is empty"),
+        ([1, 2, 10_000], SamplingParams(), "token id 10000"),
+        (list(range(3, 260)), SamplingParams(), "max_seq_len=256"),
+        ("hi", SamplingParams(min_tokens=2), "min_tokens=2"),
+        ([1.5], SamplingParams(), "must be ints"),
+    ],
+)
+def test_invalid_requests_raise_and_engine_keeps_running(llama, prompt, params, match):
+    llm, _ = llama
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[5, 6], prompt], params, use_tqdm=False)
+    assert_drained(llm)
+    assert llm.generate([5, 6], GREEDY.replace(max_tokens=2), use_tqdm=False)[0].outputs[0]
+
+
+def test_sampling_params_errors_name_the_field():
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+
+
+def test_n_completions_use_successive_seeds(llama):
+    llm, _ = llama
+    p = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    out = llm.generate([[5, 6, 7]], p, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    single = llm.generate([[5, 6, 7]], p.replace(n=1, seed=12), use_tqdm=False)[0]
+    assert out.outputs[1].token_ids == single.outputs[0].token_ids
+
+
+def test_compile_counter_sees_compiles():
+    import jax
+    import jax.numpy as jnp
+
+    with count_compiles() as compiled:
+        jax.jit(lambda x: x * 3 + 1)(jnp.arange(7))
+    assert len(compiled) == 1
