@@ -71,6 +71,44 @@ class StepBatch:
         )
 
 
+def prompt_batch(cfg: EngineConfig, slot: int, token_ids, pages) -> StepBatch:
+    """A step batch that prefills one whole prompt into ``slot`` and assigns it ``pages``
+    (a convenience for driving the device API by hand; the scheduler builds batches itself)."""
+    n = len(token_ids)
+    rows = buckets.pick_bucket(cfg, -(-n // cfg.block_q) * cfg.block_q)
+    if len(pages) > buckets.max_page_writes(cfg):
+        raise ValueError(f"{len(pages)} pages exceed one step's {buckets.max_page_writes(cfg)}")
+    batch = StepBatch.empty(cfg, rows)
+    batch.prefill_tokens[:n] = token_ids
+    batch.prefill_slots[:] = slot
+    batch.prefill_positions[:n] = np.arange(n)
+    batch.write_slots[: len(pages)] = slot
+    batch.write_index[: len(pages)] = np.arange(len(pages))
+    batch.write_pages[: len(pages)] = pages
+    return batch
+
+
+def insert_one(
+    cfg: EngineConfig,
+    slot: int,
+    prompt_len: int,
+    max_tokens: int,
+    sampling: SlotSampling | None = None,
+) -> SlotInsert:
+    """A SlotInsert that starts one sequence in ``slot`` (greedy unless ``sampling`` is given;
+    ``sampling`` holds all slots' rows, only ``slot``'s is used)."""
+    s = cfg.max_slots
+    col = lambda v: np.where(np.arange(s) == slot, v, 0).astype(np.int32)
+    return SlotInsert(
+        mask=np.arange(s) == slot,
+        prefill_lens=col(prompt_len),
+        prompt_lens=col(prompt_len),
+        num_generated=col(0),
+        max_tokens=col(max_tokens),
+        sampling=SlotSampling.neutral(s) if sampling is None else sampling,
+    )
+
+
 @struct.dataclass
 class StepOutput:
     tokens: Int32[Array, " slots"]  # sampled token per slot (valid where sampled)

@@ -1,0 +1,60 @@
+"""The device API used directly: init/insert/step/release inside the user's own jit and scan."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jbatch import LLM, SamplingParams
+from jbatch.checkpoint import load_model
+from jbatch.engine.config import EngineConfig
+from jbatch.engine.core import StepBatch, insert, insert_one, prompt_batch, release, step
+from jbatch.engine.state import init_state
+
+CFG = EngineConfig(
+    max_slots=2, page_size=8, num_pages=16, max_num_batched_tokens=32, max_seq_len=64, block_q=16
+)
+
+
+def test_scan_of_steps_inside_user_jit_matches_llm(hf_checkpoint):
+    path, _ = hf_checkpoint("llama")
+    model_cfg, params = load_model(path)
+    prompt = [5, 9, 33, 120, 7, 64, 3, 250, 11]
+    num_new = 10
+    step_fn = functools.partial(step, model_cfg=model_cfg, block_q=CFG.block_q)
+
+    @jax.jit
+    def generate(params, first: StepBatch, decode: StepBatch):
+        state = init_state(model_cfg, CFG)
+        state = insert(state, insert_one(CFG, 1, len(prompt), num_new))
+        state, out = step_fn(params, state, first)  # prefill; samples the first token
+
+        def body(state, _):
+            state, o = step_fn(params, state, decode)
+            return state, o.tokens[1]
+
+        state, rest = jax.lax.scan(body, state, length=num_new - 1)
+        state = release(state, jnp.arange(CFG.max_slots) == 1)
+        return jnp.concatenate([out.tokens[1:2], rest]), state
+
+    pages = [3, 12, 6]  # positions 0..17 need 3 pages of 8; any free pages, in any order
+    tokens, state = generate(params, prompt_batch(CFG, 1, prompt, pages), StepBatch.empty(CFG))
+    assert not bool(state.active[1]) and int(state.num_generated[1]) == num_new
+    assert int(state.seq_lens[1]) == len(prompt) + num_new - 1
+
+    llm = LLM(
+        path,
+        max_slots=2,
+        page_size=8,
+        num_pages=16,
+        max_num_batched_tokens=32,
+        max_seq_len=64,
+        block_q=16,
+    )
+    want = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True), use_tqdm=False
+    )
+    np.testing.assert_array_equal(np.asarray(tokens), want[0].outputs[0].token_ids)
