@@ -34,8 +34,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
         else:
             kind = int if isinstance(field.default, int) else str
-            group.add_argument(flag, type=kind, default=field.default,
-                               help=f"default: {field.default}")
+            group.add_argument(
+                flag, type=kind, default=field.default, help=f"default: {field.default}"
+            )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -48,8 +49,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate completions for prompts",
-                         description="Generate completions with continuous batching.")
+    gen = sub.add_parser(
+        "generate",
+        help="generate completions for prompts",
+        description="Generate completions with continuous batching.",
+    )
     gen.add_argument("prompts", nargs="+", help="prompt strings")
     gen.add_argument("--model", required=True, help="local Hugging Face checkpoint folder")
     gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
@@ -59,9 +63,12 @@ def _build_parser() -> argparse.ArgumentParser:
         gen.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
     _add_engine_flags(gen)
 
-    tiny = sub.add_parser("make-tiny-model", help="write a small random-weight Llama checkpoint",
-                          description="Write a random-weight Llama in HF format (for trying "
-                                      "jbatch without downloads; its text is gibberish).")
+    tiny = sub.add_parser(
+        "make-tiny-model",
+        help="write a small random-weight Llama checkpoint",
+        description="Write a random-weight Llama in HF format (for trying "
+        "jbatch without downloads; its text is gibberish).",
+    )
     tiny.add_argument("directory")
     tiny.add_argument("--vocab-size", type=int, default=2048)
     tiny.add_argument("--hidden-size", type=int, default=256)
@@ -74,7 +81,8 @@ def _generate(args: argparse.Namespace) -> int:
     from jbatch import LLM, SamplingParams
 
     params = SamplingParams(
-        stop=args.stop, ignore_eos=args.ignore_eos,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
         **{name: getattr(args, name) for name in _SAMPLING_FLAGS},
     )
     t0 = time.perf_counter()
@@ -108,9 +116,13 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         from jbatch.tiny_model import write_random_llama
 
-        path = write_random_llama(args.directory, vocab_size=args.vocab_size,
-                                  hidden_size=args.hidden_size, num_layers=args.num_layers,
-                                  seed=args.seed)
+        path = write_random_llama(
+            args.directory,
+            vocab_size=args.vocab_size,
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            seed=args.seed,
+        )
         print(path)
         return 0
     except (ValueError, FileNotFoundError) as e:

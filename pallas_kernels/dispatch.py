@@ -29,8 +29,8 @@ def resolve_impl(impl: str) -> str:
 @functools.partial(jax.named_call, name="paged_attention")
 def paged_attention(
     q: Float[Array, "n bq h d"],
-    k_pages: Float[Array, "kvh p s d"],
-    v_pages: Float[Array, "kvh p s d"],
+    k_pages: Float[Array, "p s kvh d"],
+    v_pages: Float[Array, "p s kvh d"],
     block_tables: Int[Array, "n mp"],
     q_positions: Int[Array, "n bq"],
     *,

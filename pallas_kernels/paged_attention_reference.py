@@ -2,10 +2,11 @@
 
 Vocabulary shared by every implementation in this package:
 
-* **KV pool** (one layer): ``k_pages, v_pages: [KVH, P, S, D]`` (KV heads, pages, page size,
-  head dim).
-  KV heads lead so tensor parallelism shards the pool on axis 0 with no data movement, and each
-  (head, page) is one contiguous ``S x D`` tile, which is what a GPU kernel loads per block.
+* **KV pool** (one layer): ``k_pages, v_pages: [P, S, KVH, D]`` (pages, page size, KV heads,
+  head dim). A page is one contiguous ``S x KVH x D`` block: gathering a sequence's pages yields
+  its keys as ``[tokens, KVH, D]`` with no transpose, a token's K/V write is one contiguous row,
+  and a GPU kernel loads whole pages for all heads of a GQA group (the layout of vLLM's flash
+  attention cache and of JAX's TPU ragged paged attention). Tensor parallelism shards axis 2.
 * **Query blocks**: ``q: [N, Bq, H, D]`` — N blocks of Bq query rows; every row of a block belongs
   to the same sequence. Decode tokens are blocks of one row (Bq = 1); a prompt chunk is split into
   blocks of Bq rows. A block reads its sequence's pages through ``block_tables: [N, max_pages]``.
@@ -39,20 +40,19 @@ def key_mask(
 
 
 def gather_pages(
-    pages: Float[Array, "kvh p s d"], block_tables: Int[Array, "n mp"]
+    pages: Float[Array, "p s kvh d"], block_tables: Int[Array, "n mp"]
 ) -> Float[Array, "n c kvh d"]:
     """Gather each block's pages into one contiguous [N, max_pages * S, KVH, D] key/value run."""
-    kvh, num_pages, page_size, d = pages.shape
+    num_pages, page_size, kvh, d = pages.shape
     n, mp = block_tables.shape
     idx = jnp.clip(block_tables, 0, num_pages - 1)
-    g = pages[:, idx]  # [KVH, N, MP, S, D]
-    return g.transpose(1, 2, 3, 0, 4).reshape(n, mp * page_size, kvh, d)
+    return pages[idx].reshape(n, mp * page_size, kvh, d)  # [N, MP, S, KVH, D] -> [N, C, KVH, D]
 
 
 def paged_attention_reference(
     q: Float[Array, "n bq h d"],
-    k_pages: Float[Array, "kvh p s d"],
-    v_pages: Float[Array, "kvh p s d"],
+    k_pages: Float[Array, "p s kvh d"],
+    v_pages: Float[Array, "p s kvh d"],
     block_tables: Int[Array, "n mp"],
     q_positions: Int[Array, "n bq"],
     *,
@@ -61,7 +61,7 @@ def paged_attention_reference(
 ) -> Float[Array, "n bq h d"]:
     """Attention of query blocks over their sequences' whole page lists (plainly correct, slow)."""
     n, bq, h, d = q.shape
-    kvh = k_pages.shape[0]
+    kvh = k_pages.shape[2]
     g = h // kvh
     scale = d**-0.5 if scale is None else scale
     k = gather_pages(k_pages, block_tables)  # [N, C, KVH, D]

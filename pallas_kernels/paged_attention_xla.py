@@ -18,8 +18,8 @@ from pallas_kernels.paged_attention_reference import _NEG, gather_pages, key_mas
 
 def paged_attention_xla(
     q: Float[Array, "n bq h d"],
-    k_pages: Float[Array, "kvh p s d"],
-    v_pages: Float[Array, "kvh p s d"],
+    k_pages: Float[Array, "p s kvh d"],
+    v_pages: Float[Array, "p s kvh d"],
     block_tables: Int[Array, "n mp"],
     q_positions: Int[Array, "n bq"],
     *,
@@ -28,7 +28,7 @@ def paged_attention_xla(
     pages_per_chunk: int = 8,
 ) -> Float[Array, "n bq h d"]:
     n, bq, h, d = q.shape
-    kvh, _, page_size, _ = k_pages.shape
+    _, page_size, kvh, _ = k_pages.shape
     g = h // kvh
     scale = d**-0.5 if scale is None else scale
     mp = block_tables.shape[1]

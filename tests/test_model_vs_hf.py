@@ -30,8 +30,7 @@ def hf_logits(model, ids) -> np.ndarray:
 
 def nan_cache(cfg, page_size) -> KVCache:
     """A pool whose every page starts as NaN: any read of an unwritten entry poisons the result."""
-    shape = (cfg.num_layers, cfg.num_kv_heads, NUM_PAGES, page_size, cfg.head_dim)
-    return KVCache(k=jnp.full(shape, jnp.nan), v=jnp.full(shape, jnp.nan))
+    return KVCache.full(cfg, NUM_PAGES, page_size, jnp.float32, jnp.nan)
 
 
 def scrambled_tables(num_slots, max_pages, seed) -> np.ndarray:
@@ -160,7 +159,7 @@ def test_chunked_prefill_then_decode_match_hf(variant, impl):
         chosen = got.argmax(-1)
         gap = ref.max(-1) - ref[np.arange(len(ref)), chosen]
         assert np.all(gap < 1e-3), name
-    assert np.isfinite(np.asarray(runner.cache.k[:, :, runner.tables[0, 0]])).all()
+    assert np.isfinite(np.asarray(runner.cache.k[0][runner.tables[0, 0]])).all()
 
 
 def test_bfloat16_forward_runs_close(hf_checkpoint):

@@ -33,15 +33,15 @@ def make_case(rng, *, n, bq, h, kvh, d, page_size, num_pages, max_pages, dtype=n
     """Random sequences written into a NaN-filled pool through scrambled page tables."""
     lens = rng.randint(1, max_pages * page_size + 1, n)
     perm = rng.permutation(num_pages)[: n * max_pages].reshape(n, max_pages)
-    k_pool = np.full((kvh, num_pages, page_size, d), np.nan, dtype)
-    v_pool = np.full((kvh, num_pages, page_size, d), np.nan, dtype)
+    k_pool = np.full((num_pages, page_size, kvh, d), np.nan, dtype)
+    v_pool = np.full((num_pages, page_size, kvh, d), np.nan, dtype)
     k_seq = rng.randn(n, max_pages * page_size, kvh, d).astype(dtype)
     v_seq = rng.randn(n, max_pages * page_size, kvh, d).astype(dtype)
     positions = np.full((n, bq), -1, np.int32)
     for i in range(n):
         for t in range(lens[i]):
-            k_pool[:, perm[i, t // page_size], t % page_size] = k_seq[i, t]
-            v_pool[:, perm[i, t // page_size], t % page_size] = v_seq[i, t]
+            k_pool[perm[i, t // page_size], t % page_size] = k_seq[i, t]
+            v_pool[perm[i, t // page_size], t % page_size] = v_seq[i, t]
         qn = rng.randint(1, min(bq, lens[i]) + 1)  # the block's queries are the last qn tokens
         positions[i, :qn] = np.arange(lens[i] - qn, lens[i])
     q = rng.randn(n, bq, h, d).astype(dtype)
@@ -101,7 +101,7 @@ def test_bf16_xla_matches_reference():
 
 def test_dispatch_rejects_unknown_impl():
     q = jnp.zeros((1, 1, 2, 4))
-    pool = jnp.zeros((1, 2, 4, 4))
+    pool = jnp.zeros((2, 4, 1, 4))
     with pytest.raises(ValueError, match="'triton'"):
         paged_attention(
             q, pool, pool, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 1), jnp.int32), impl="triton"

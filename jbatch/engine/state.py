@@ -18,7 +18,7 @@ from jbatch.models.kv_cache import KVCache
 
 @struct.dataclass
 class EngineState:
-    cache: KVCache  # [L, KVH, P, S, D] K and V
+    cache: KVCache  # per layer [P, S, KVH, D] K and V
     # Page ids of each slot's sequence; unassigned entries hold num_pages (out of bounds: writes
     # through them are dropped, reads are masked by position).
     page_tables: Int32[Array, "slots max_pages"]

@@ -1,13 +1,17 @@
-"""The paged KV pool: one K and one V array per model, stacked over layers.
+"""The paged KV pool: one K and one V array per layer, each ``[P, S, KVH, D]``.
 
-Layout ``[L, KVH, P, S, D]`` (layers, KV heads, pages, page size, head dim):
+Layout (pages, page size, KV heads, head dim), one buffer per layer:
 
-* KV heads come right after the layer axis, so tensor parallelism shards the pool on that axis
-  and every chip holds the pages of its own heads, with page ids identical on all chips (the page
-  tables stay replicated).
-* Within one (layer, head) a page is a contiguous ``S x D`` tile — exactly what a GPU kernel loads
-  for one block of keys — and the per-layer slice ``[KVH, P, S, D]`` is the layout of JAX's own
-  Pallas ``paged_attention``.
+* One buffer per layer (not one stacked ``[L, ...]`` array): a layer's attention reads its pool
+  directly, where slicing a stacked array would materialise a copy of the layer's whole pool
+  every step, and each buffer is updated in place when the state is donated.
+
+* A page is one contiguous ``S x KVH x D`` block: a token's K/V write is one contiguous row, a
+  sequence's gathered pages are already ``[tokens, KVH, D]`` (no transpose), and a GPU kernel
+  loads whole pages for all the heads of a GQA group — the layout of vLLM's flash-attention
+  cache and of JAX's TPU ragged paged attention.
+* Tensor parallelism shards the KV-head axis (axis 2): every chip holds its own heads' slice of
+  every page, page ids are identical on all chips, and the page tables stay replicated.
 * Page ids are shared by all layers: a sequence's page table says where its tokens live in every
   layer at once.
 """
@@ -20,24 +24,31 @@ from jaxtyping import Array, Float, Int
 
 from jbatch.models.config import ModelConfig
 
+LayerPool = Float[Array, "pages page_size kv_heads head_dim"]
+
 
 @struct.dataclass
 class KVCache:
-    k: Float[Array, "layers kv_heads pages page_size head_dim"]
-    v: Float[Array, "layers kv_heads pages page_size head_dim"]
+    k: tuple[LayerPool, ...]  # one per layer
+    v: tuple[LayerPool, ...]
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[0]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[1]
+
+    @classmethod
+    def full(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, value=0.0) -> KVCache:
+        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        new = lambda: tuple(jnp.full(shape, value, dtype) for _ in range(cfg.num_layers))
+        return cls(k=new(), v=new())
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        return cls.full(cfg, num_pages, page_size, dtype, 0.0)
 
 
 def write_locations(
@@ -66,8 +77,10 @@ def write_layer(
     offsets: Int[Array, " t"],
 ) -> KVCache:
     """Scatter one layer's new K/V rows into the pool (in place when the cache is donated)."""
-    # The int layer index and the (pages, offsets) arrays are all advanced indices, so the indexed
-    # view is [T, KVH, D] — the layout k_new already has.
-    k = cache.k.at[layer, :, pages, offsets].set(k_new.astype(cache.k.dtype), mode="drop")
-    v = cache.v.at[layer, :, pages, offsets].set(v_new.astype(cache.v.dtype), mode="drop")
-    return KVCache(k=k, v=v)
+
+    def put(pools, new):
+        pool = pools[layer]  # [P, S, KVH, D]; pool[pages, offsets] is [T, KVH, D] like new
+        pool = pool.at[pages, offsets].set(new.astype(pool.dtype), mode="drop")
+        return (*pools[:layer], pool, *pools[layer + 1 :])
+
+    return KVCache(k=put(cache.k, k_new), v=put(cache.v, v_new))

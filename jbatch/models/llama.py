@@ -73,7 +73,7 @@ def _attention(
     impl: str,
 ) -> Float[Array, "t h d"]:
     t, h, d = q.shape
-    kp, vp = cache.k[layer], cache.v[layer]  # [KVH, P, S, D]
+    kp, vp = cache.k[layer], cache.v[layer]  # [P, S, KVH, D] each
     outs = []
     if num_decode:
         o = paged_attention(
