@@ -62,7 +62,7 @@ _LAYER_TENSORS = {
 _TOP_TENSORS = {
     "embed": ("model.embed_tokens.weight", False),
     "final_norm": ("model.norm.weight", False),
-    "lm_head": ("lm_head.weight", True),
+    "lm_head": ("lm_head.weight", False),  # kept [V, E], like the embedding (faster LM head)
 }
 
 
@@ -89,7 +89,7 @@ def expected_param_shapes(cfg: ModelConfig) -> dict:
         layers.update(b_gate=(L, F), b_up=(L, F), b_down=(L, E))
     shapes: dict[str, Any] = {"embed": (V, E), "layers": layers, "final_norm": (E,)}
     if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (E, V)
+        shapes["lm_head"] = (V, E)
     return shapes
 
 

@@ -1,8 +1,8 @@
 """Paged attention in plain XLA that stops at the longest live context (the CPU / fallback path).
 
 Same contract as :func:`paged_attention_reference` (see that module for the layout). Instead of
-gathering every block's whole page list, it walks the page tables in chunks of
-``pages_per_chunk`` pages with an online (flash-style) softmax inside a ``lax.while_loop`` whose
+gathering every block's whole page list, it walks the page tables in chunks of about
+``chunk_tokens`` keys with an online (flash-style) softmax inside a ``lax.while_loop`` whose
 trip count is *traced*: ceil(longest live context / chunk). A step whose sequences are short only
 gathers their few pages, and the context length never enters a shape, so it never recompiles.
 """
@@ -25,14 +25,14 @@ def paged_attention_xla(
     *,
     sliding_window: int | None = None,
     scale: float | None = None,
-    pages_per_chunk: int = 8,
+    chunk_tokens: int = 64,
 ) -> Float[Array, "n bq h d"]:
     n, bq, h, d = q.shape
     _, page_size, kvh, _ = k_pages.shape
     g = h // kvh
     scale = d**-0.5 if scale is None else scale
     mp = block_tables.shape[1]
-    cp = max(1, min(pages_per_chunk, mp))
+    cp = max(1, min(chunk_tokens // page_size, mp))  # pages per loop iteration
     num_chunks_static = -(-mp // cp)
     tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks_static * cp - mp)))  # [N, chunks*CP]
     chunk_len = cp * page_size

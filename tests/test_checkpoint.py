@@ -85,7 +85,7 @@ def _check_equal(params, sd, cfg: ModelConfig):
     if cfg.tie_word_embeddings:
         assert "lm_head" not in params
     else:
-        np.testing.assert_array_equal(params["lm_head"], sd["lm_head.weight"].T)
+        np.testing.assert_array_equal(params["lm_head"], sd["lm_head.weight"])
     for key, arr in params["layers"].items():
         assert arr.shape == shapes["layers"][key], key
         for i in range(cfg.num_layers):

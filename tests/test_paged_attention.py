@@ -67,7 +67,7 @@ def test_matches_dense_oracle_with_nan_pages(case, window, fn):
     q, kp, vp, tables, pos, k_seq, v_seq = make_case(rng, **case)
     kwargs = dict(sliding_window=window)
     if fn is paged_attention_xla:
-        kwargs["pages_per_chunk"] = 2  # several loop iterations
+        kwargs["chunk_tokens"] = 2 * case["page_size"]  # several loop iterations
     got = np.asarray(
         fn(
             jnp.asarray(q),
@@ -94,7 +94,7 @@ def test_bf16_xla_matches_reference():
         jnp.asarray(pos),
     ]
     ref = np.asarray(paged_attention_reference(*args), np.float32)
-    got = np.asarray(paged_attention_xla(*args, pages_per_chunk=3), np.float32)
+    got = np.asarray(paged_attention_xla(*args, chunk_tokens=24), np.float32)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, ref, atol=2e-2, rtol=2e-2)
 

@@ -159,5 +159,5 @@ def forward(
 
 def compute_logits(params: Params, hidden: Float[Array, "n e"]) -> Float[Array, "n vocab"]:
     """LM head (tied to the embedding when the checkpoint has no ``lm_head``), in float32."""
-    head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return (hidden @ head).astype(jnp.float32)
+    head = params.get("lm_head", params["embed"])  # [V, E]: rows stream contiguously
+    return (hidden @ head.T).astype(jnp.float32)
