@@ -23,11 +23,16 @@ def build_insert(cfg: EngineConfig, seqs: list[Sequence]) -> SlotInsert:
     i32 = lambda: np.zeros(s, np.int32)
     f32 = lambda v: np.full(s, v, np.float32)
     mask, prefill, prompt, generated, max_tokens = np.zeros(s, bool), i32(), i32(), i32(), i32()
+    tables, seq_lens = np.full((s, cfg.max_pages_per_seq), cfg.num_pages, np.int32), i32()
     temperature, top_k, top_p, min_p = f32(0.0), i32(), f32(1.0), f32(0.0)
     rep, presence, freq, seed = f32(1.0), f32(0.0), f32(0.0), np.zeros(s, np.uint32)
     for seq in seqs:
         i, p = seq.slot, seq.params
         mask[i] = True
+        # Prefix-cache hits: their pages and length. Pages for the first chunk come as writes.
+        cached = seq.num_cached_tokens // cfg.page_size
+        tables[i, :cached] = seq.pages[:cached]
+        seq_lens[i] = seq.num_cached_tokens
         prefill[i], prompt[i] = len(seq.prefill_ids), len(seq.prompt_ids)
         # Outputs so far (all processed: a sequence is admitted with nothing in flight).
         generated[i], max_tokens[i] = len(seq.output_ids), seq.max_tokens
@@ -35,7 +40,7 @@ def build_insert(cfg: EngineConfig, seqs: list[Sequence]) -> SlotInsert:
         rep[i], presence[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
         seed[i] = seq.seed
     sampling = SlotSampling(temperature, top_k, top_p, min_p, rep, presence, freq, seed)
-    return SlotInsert(mask, prefill, prompt, generated, max_tokens, sampling)
+    return SlotInsert(mask, tables, seq_lens, prefill, prompt, generated, max_tokens, sampling)
 
 
 def build_step(cfg: EngineConfig, out: SchedulerOutput) -> StepBatch:

@@ -7,6 +7,7 @@ import dataclasses
 from pallas_kernels import IMPLEMENTATIONS
 
 DTYPES = ("float32", "bfloat16", "float16")
+PREEMPTION_MODES = ("recompute",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +20,10 @@ class EngineConfig:
     max_seq_len: longest sequence (prompt + output) a slot may hold.
     block_q: prompt chunks are laid out in blocks of this many query rows (one sequence a block).
     attn_impl: paged attention implementation ("auto" picks the fastest on the backend).
+    enable_prefix_caching: reuse full KV pages of identical prompt prefixes across requests.
+    aging_steps: a waiting request's priority improves by one every this many steps (0 = no
+        aging: strict priority, FCFS within a priority).
+    preemption_mode: what happens to a sequence evicted when pages run out ("recompute").
     """
 
     max_slots: int = 8
@@ -30,6 +35,9 @@ class EngineConfig:
     block_q: int = 16
     attn_impl: str = "auto"
     async_scheduling: bool = True
+    enable_prefix_caching: bool = True
+    aging_steps: int = 64
+    preemption_mode: str = "recompute"
 
     def __post_init__(self):
         for name in (
@@ -43,6 +51,12 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.aging_steps, int) or self.aging_steps < 0:
+            raise ValueError(f"aging_steps must be an int >= 0, got {self.aging_steps!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attn_impl not in IMPLEMENTATIONS:

@@ -27,7 +27,7 @@ from jaxtyping import Array, Bool, Float, Int32
 from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.sampler import SlotSampling, sample
-from jbatch.engine.state import EngineState
+from jbatch.engine.state import EngineState, init_state
 from jbatch.models.config import ModelConfig
 from jbatch.models.llama import compute_logits, forward
 
@@ -37,11 +37,29 @@ class SlotInsert:
     """New sequences for the slots where ``mask`` is set (other rows are ignored)."""
 
     mask: Bool[Array, " slots"]
+    page_tables: Int32[Array, "slots max_pages"]  # initial rows: prefix-cache hits, else unset
+    seq_lens: Int32[Array, " slots"]  # tokens already in the pool (prefix-cache hits)
     prefill_lens: Int32[Array, " slots"]  # tokens to prefill (prompt, plus outputs on resume)
     prompt_lens: Int32[Array, " slots"]
     num_generated: Int32[Array, " slots"]  # > 0 when resuming a preempted sequence
     max_tokens: Int32[Array, " slots"]
     sampling: SlotSampling
+
+
+def build_empty_insert(cfg: EngineConfig) -> SlotInsert:
+    """A SlotInsert that inserts nothing (all rows masked off)."""
+    s = cfg.max_slots
+    z = lambda: np.zeros(s, np.int32)
+    return SlotInsert(
+        mask=np.zeros(s, bool),
+        page_tables=np.full((s, cfg.max_pages_per_seq), cfg.num_pages, np.int32),
+        seq_lens=z(),
+        prefill_lens=z(),
+        prompt_lens=z(),
+        num_generated=z(),
+        max_tokens=z(),
+        sampling=SlotSampling.neutral(s),
+    )
 
 
 @struct.dataclass
@@ -101,6 +119,8 @@ def insert_one(
     col = lambda v: np.where(np.arange(s) == slot, v, 0).astype(np.int32)
     return SlotInsert(
         mask=np.arange(s) == slot,
+        page_tables=np.full((s, cfg.max_pages_per_seq), cfg.num_pages, np.int32),
+        seq_lens=col(0),
         prefill_lens=col(prompt_len),
         prompt_lens=col(prompt_len),
         num_generated=col(0),
@@ -121,9 +141,9 @@ def insert(state: EngineState, ins: SlotInsert) -> EngineState:
     m = ins.mask
     pick = lambda new, old: jnp.where(m.reshape(m.shape + (1,) * (old.ndim - 1)), new, old)
     return state.replace(
-        page_tables=pick(state.cache.num_pages, state.page_tables),
+        page_tables=pick(ins.page_tables, state.page_tables),
         tokens=pick(0, state.tokens),
-        seq_lens=pick(0, state.seq_lens),
+        seq_lens=pick(ins.seq_lens, state.seq_lens),
         prefill_lens=pick(ins.prefill_lens, state.prefill_lens),
         prompt_lens=pick(ins.prompt_lens, state.prompt_lens),
         active=state.active | m,
@@ -221,10 +241,11 @@ class EngineCore:
         self.insert = jax.jit(insert, donate_argnums=0)
         self.release = jax.jit(release, donate_argnums=0)
 
+    def init_state(self) -> EngineState:
+        return init_state(self.model_cfg, self.cfg)
+
     def empty_insert(self) -> SlotInsert:
-        s = self.cfg.max_slots
-        z = np.zeros(s, np.int32)
-        return SlotInsert(np.zeros(s, bool), z, z, z, z, SlotSampling.neutral(s))
+        return build_empty_insert(self.cfg)
 
     def warmup(self, params: dict, state: EngineState) -> EngineState:
         """Compile every program the engine will ever run (one ``step`` per bucket)."""

@@ -29,7 +29,6 @@ from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import EngineCore, StepOutput
 from jbatch.engine.request import SeqStatus, Sequence
 from jbatch.engine.scheduler import Scheduler, SchedulerOutput
-from jbatch.engine.state import init_state
 from jbatch.models.config import ModelConfig
 from jbatch.outputs import CompletionOutput, RequestOutput
 from jbatch.sampling_params import SamplingParams
@@ -45,11 +44,13 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         eos_token_ids: Seq[int] = (),
         warmup: bool = True,
+        core=None,
     ):
+        """``core`` replaces the jitted device functions (tests pass a ``MockCore``)."""
         self.model_cfg, self.params, self.cfg, self.tokenizer = model_cfg, params, cfg, tokenizer
         self.eos_ids = frozenset(eos_token_ids)
-        self.core = EngineCore(model_cfg, cfg)
-        self.state = init_state(model_cfg, cfg)
+        self.core = EngineCore(model_cfg, cfg) if core is None else core
+        self.state = self.core.init_state()
         if warmup:
             self.state = self.core.warmup(params, self.state)
         self.scheduler = Scheduler(cfg)

@@ -1,46 +1,142 @@
-"""PageAllocator: the free list of KV pool pages (host side, plain Python)."""
+"""PageAllocator: KV pool pages with reference counts and a prefix cache (host side, plain Python).
+
+Every page is in exactly one of three places:
+* **free** — no content worth keeping;
+* **owned** — referenced by one or more running sequences (``refcount > 0``);
+* **cached** — unreferenced but holding a full page of known tokens, kept in LRU order and
+  reused by a later request with the same prefix, or evicted when fresh pages run out.
+
+A full page is named by a hash chain over its tokens and all tokens before it (``page_hash``), so
+equal hashes mean equal KV. Only full pages are ever shared, and sequences only append to pages
+of their own, so page tables are append-only: no copy-on-write is needed.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+import numpy as np
 
 
 class OutOfPages(RuntimeError):
     """Not enough free pages; the scheduler waits or preempts."""
 
 
+def page_hashes(token_ids: Sequence[int], page_size: int, limit: int) -> list[bytes]:
+    """Hash chain (BLAKE2b, 128 bits) of the full pages among the first ``limit`` tokens."""
+    hashes, parent = [], b""
+    tokens = np.asarray(token_ids[:limit], np.int64)
+    for start in range(0, limit - page_size + 1, page_size):
+        parent = hashlib.blake2b(
+            parent + tokens[start : start + page_size].tobytes(), digest_size=16
+        ).digest()
+        hashes.append(parent)
+    return hashes
+
+
 class PageAllocator:
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, enable_prefix_caching: bool = True):
         self.num_pages = num_pages
+        self.enable_prefix_caching = enable_prefix_caching
         self._free: deque[int] = deque(range(num_pages))
-        self._owned: set[int] = set()
+        self._refs: dict[int, int] = {}  # owned page -> refcount
+        self._cached: OrderedDict[int, None] = OrderedDict()  # evictable pages, LRU first
+        self._hash_of: dict[int, bytes] = {}  # page -> hash (owned or cached)
+        self._page_of: dict[bytes, int] = {}  # hash -> page
+        self.hits = 0  # prefix-cache lookups that found a page
+        self.queries = 0  # pages looked up
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages available to ``allocate`` (free plus evictable cached)."""
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return len(self._owned)
+        return len(self._refs)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` pages, all or nothing."""
-        if n > len(self._free):
-            raise OutOfPages(f"need {n} pages, {len(self._free)} free")
-        pages = [self._free.popleft() for _ in range(n)]
-        self._owned.update(pages)
+        """Take ``n`` fresh pages, all or nothing (free pages first, then evict LRU cached)."""
+        if n > self.num_free:
+            raise OutOfPages(f"need {n} pages, {self.num_free} available")
+        pages = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._cached.popitem(last=False)
+                del self._page_of[self._hash_of.pop(page)]
+            self._refs[page] = 1
+            pages.append(page)
         return pages
 
-    def free(self, pages: list[int]) -> None:
-        for p in pages:
-            if p not in self._owned:
-                raise RuntimeError(f"page {p} freed but not owned (double free?)")
-            self._owned.remove(p)
-            self._free.append(p)
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """Take a reference on the longest cached run of pages matching ``hashes``."""
+        if not self.enable_prefix_caching:
+            return []
+        pages = []
+        for h in hashes:
+            page = self._page_of.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        self.queries += len(hashes)
+        self.hits += len(pages)
+        for page in pages:
+            if page in self._cached:
+                del self._cached[page]
+                self._refs[page] = 1
+            else:
+                self._refs[page] += 1
+        return pages
 
-    def check(self) -> None:
-        """Invariant: every page is exactly once either free or owned."""
-        free = set(self._free)
+    def register(self, page: int, h: bytes) -> None:
+        """Record that owned ``page`` holds the full page named ``h`` (first writer wins)."""
+        if self.enable_prefix_caching and h not in self._page_of and page not in self._hash_of:
+            self._page_of[h] = page
+            self._hash_of[page] = h
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Drop one reference per page; unreferenced hashed pages stay cached (most recent last)."""
+        for page in pages:
+            refs = self._refs.get(page)
+            if refs is None:
+                raise RuntimeError(f"page {page} freed but not owned (double free?)")
+            if refs > 1:
+                self._refs[page] = refs - 1
+                continue
+            del self._refs[page]
+            if page in self._hash_of:
+                self._cached[page] = None
+            else:
+                self._free.append(page)
+
+    def refcount(self, page: int) -> int:
+        return self._refs.get(page, 0)
+
+    def check(self, owners: Sequence[Sequence[int]] = ()) -> None:
+        """Invariants: each page is in exactly one place; refcounts equal the number of page
+        lists (``owners``) holding the page; the hash maps are mutually consistent."""
+        free, cached, owned = set(self._free), set(self._cached), set(self._refs)
         assert len(free) == len(self._free), "a page is on the free list twice"
-        assert not free & self._owned, f"pages both free and owned: {sorted(free & self._owned)}"
-        assert len(free) + len(self._owned) == self.num_pages, "pages lost"
+        assert not (free & cached or free & owned or cached & owned), "a page is in two places"
+        assert len(free) + len(cached) + len(owned) == self.num_pages, "pages lost"
+        assert all(r > 0 for r in self._refs.values())
+        if owners:
+            counts: dict[int, int] = {}
+            for pages in owners:
+                for p in pages:
+                    counts[p] = counts.get(p, 0) + 1
+            assert counts == self._refs, "refcounts disagree with the page tables"
+        assert all(self._page_of[h] == p for p, h in self._hash_of.items()), "hash maps disagree"
+        assert cached <= set(self._hash_of), "a cached page has no hash"

@@ -43,6 +43,10 @@ class Sequence:
     num_sampled: int = 0  # samples the dispatched steps draw (device num_generated)
     inflight: int = 0  # dispatched steps that sample for this sequence, not yet processed
     admitted_at: int = -1  # admission counter (preemption picks the most recent)
+    arrival_order: int = 0  # FCFS tie-break among equal effective priorities
+    waiting_since: int = 0  # scheduler step at which the sequence (re)entered the queue
+    first_scheduled_step: int | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_reason: str | None = None
@@ -61,11 +65,18 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def start(self, slot: int, admitted_at: int) -> None:
-        """Admit into ``slot``: prefill the prompt plus any outputs from before a preemption."""
+    @property
+    def uses_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+    def start(self, slot: int, admitted_at: int, cached_pages: list[int], page_size: int) -> None:
+        """Admit into ``slot``: prefill the prompt plus any outputs from before a preemption,
+        starting after the ``cached_pages`` found in the prefix cache."""
         self.status = SeqStatus.RUNNING
         self.slot = slot
         self.admitted_at = admitted_at
         self.prefill_ids = self.prompt_ids + self.output_ids
-        self.num_computed = 0
+        self.pages = list(cached_pages)
+        self.num_computed = self.num_cached_tokens = len(cached_pages) * page_size
         self.num_sampled = len(self.output_ids)

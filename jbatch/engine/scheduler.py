@@ -2,13 +2,16 @@
 
 Per step, in this order:
 1. **Decodes** — every running sequence past its prompt decodes one token. A sequence whose next
-   token starts a new page gets one from the allocator; when none is free, the most recently
-   admitted running sequence is preempted (recompute: its pages and slot are freed and it goes
-   back to the front of the queue; on re-admission it re-prefills prompt + outputs so far).
+   token starts a new page gets one from the allocator; when none is free, a victim is
+   preempted — the lowest priority, then the most recently admitted (recompute: its slot and
+   pages are freed — its full pages stay in the prefix cache — and it is requeued; on
+   re-admission it prefills prompt + outputs so far, mostly from the cache).
 2. **Prompt chunks** of running sequences still prefilling, under the token budget
    (``max_num_batched_tokens`` minus the decodes) and the largest row bucket.
-3. **Admission** — waiting sequences (FCFS) take free slots while budget and pages remain; each
-   starts with its first chunk (chunked prefill), so a long prompt never blocks decodes.
+3. **Admission** — waiting sequences take free slots while budget and pages remain, in order of
+   effective priority (``priority`` minus one per ``aging_steps`` waited; lower first), FCFS
+   within a priority. Full prompt pages already in the prefix cache are reused, not recomputed;
+   the rest is prefilled in chunks, so a long prompt never blocks decodes.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections import deque
 
 from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
-from jbatch.engine.page_allocator import PageAllocator
+from jbatch.engine.page_allocator import PageAllocator, page_hashes
 from jbatch.engine.request import SeqStatus, Sequence
 
 
@@ -53,16 +56,20 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
-        self.allocator = PageAllocator(cfg.num_pages)
+        self.allocator = PageAllocator(cfg.num_pages, cfg.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.free_slots: list[int] = list(range(cfg.max_slots))
         self.pending_releases: list[int] = []  # slots of finished sequences, to retire on device
         self.num_preemptions = 0
+        self.num_steps = 0  # schedule() calls: the clock for aging and waits
         self._admissions = 0
+        self._arrivals = 0
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        seq.arrival_order, self._arrivals = self._arrivals, self._arrivals + 1
+        seq.waiting_since = self.num_steps
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
@@ -76,6 +83,7 @@ class Scheduler:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
     def _free_slot(self, seq: Sequence) -> None:
+        self._cache_generated_pages(seq)
         self.allocator.free(seq.pages)
         seq.pages = []
         del self.running[seq.slot]
@@ -88,6 +96,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        seq.waiting_since = self.num_steps
         self.waiting.appendleft(seq)
 
     @property
@@ -107,16 +116,43 @@ class Scheduler:
             seq.pages.append(page)
         return True
 
+    @staticmethod
+    def _victim_key(seq: Sequence) -> tuple[int, int]:
+        return seq.priority, seq.admitted_at
+
     def _victim(self) -> Sequence:
-        return max(self.running.values(), key=lambda s: s.admitted_at)
+        """Lowest priority (largest number) first, then the most recently admitted. Running
+        sequences are scheduled in the opposite order, so a victim is never one this step has
+        already scheduled."""
+        return max(self.running.values(), key=self._victim_key)
+
+    # ---- prefix cache --------------------------------------------------------------------------
+    def _cacheable(self, seq: Sequence) -> bool:
+        # Penalties need every prompt/output token to pass through the step (prompt mask and
+        # output counts live on the device), so such requests do not *reuse* cached pages.
+        return self.cfg.enable_prefix_caching and not seq.uses_penalties
+
+    def _register_full_pages(self, seq: Sequence, tokens: list[int], upto: int) -> None:
+        """Name every full page of ``seq`` holding tokens < ``upto`` in the prefix cache."""
+        if not self.cfg.enable_prefix_caching:
+            return
+        limit = min(upto, len(seq.pages) * self.cfg.page_size)
+        for page, h in zip(seq.pages, page_hashes(tokens, self.cfg.page_size, limit)):
+            self.allocator.register(page, h)
+
+    def _cache_generated_pages(self, seq: Sequence) -> None:
+        # Tokens whose K/V are surely written: all but the last output (it was never fed back).
+        tokens = seq.prompt_ids + seq.output_ids
+        self._register_full_pages(seq, tokens, min(len(tokens) - 1, seq.num_computed))
 
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput()
         self._schedule_decodes(out)
         budget = self.cfg.max_num_batched_tokens - len(out.decodes)
         rows = buckets.prefill_buckets(self.cfg)[-1]
-        for seq in sorted(self.running.values(), key=lambda s: s.admitted_at):
+        for seq in sorted(self.running.values(), key=self._victim_key):
             if seq.prefilling and budget > 0 and rows >= self.cfg.block_q:
                 budget, rows = self._schedule_chunk(seq, budget, rows, out)
         self._admit(out, budget, rows)
@@ -129,7 +165,7 @@ class Scheduler:
         self._preempt(self._victim())
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
-        for seq in sorted(self.running.values(), key=lambda s: s.admitted_at):
+        for seq in sorted(self.running.values(), key=self._victim_key):
             if seq.status is not SeqStatus.RUNNING or not seq.can_decode:
                 continue
             while not self._grow(seq, seq.num_computed + 1, out):
@@ -156,6 +192,9 @@ class Scheduler:
         chunk = Chunk(seq, start, seq.prefill_ids[start : start + n])
         out.chunks.append(chunk)
         seq.num_computed += n
+        if seq.first_scheduled_step is None:
+            seq.first_scheduled_step = self.num_steps
+        self._register_full_pages(seq, seq.prefill_ids, seq.num_computed)
         if chunk.completes_prompt:
             out.samplers.append((seq, seq.slot))
             seq.num_sampled += 1
@@ -164,28 +203,44 @@ class Scheduler:
         out.prompt_rows += used
         return budget - n, rows - used
 
+    def effective_priority(self, seq: Sequence) -> tuple[int, int]:
+        """Sort key of the waiting queue: aged priority, then arrival (FCFS)."""
+        aged = seq.priority
+        if self.cfg.aging_steps:
+            aged -= (self.num_steps - seq.waiting_since) // self.cfg.aging_steps
+        return aged, seq.arrival_order
+
     def _admit(self, out: SchedulerOutput, budget: int, rows: int) -> None:
-        skipped = []
-        while self.waiting and self.free_slots and budget > 0 and rows >= self.cfg.block_q:
-            seq = self.waiting.popleft()
-            if seq.inflight:  # preempted with outputs still in flight: admit it next time
-                skipped.append(seq)
-                continue
-            if self.allocator.num_free == 0:
-                self.waiting.appendleft(seq)
+        if not self.waiting:
+            return
+        # Sequences still owed tokens from a step in flight (preempted) wait for them.
+        queue = sorted((s for s in self.waiting if not s.inflight), key=self.effective_priority)
+        for seq in queue:
+            if not (self.free_slots and budget > 0 and rows >= self.cfg.block_q):
                 break
+            cached = []
+            if self._cacheable(seq):
+                ids = seq.prompt_ids + seq.output_ids
+                cached = self.allocator.lookup(page_hashes(ids, self.cfg.page_size, len(ids) - 1))
+            if self.allocator.num_free == 0 and not cached:
+                break  # the head of the queue waits for pages; nobody overtakes it
+            self.waiting.remove(seq)
             slot = self.free_slots.pop(0)
-            seq.start(slot, self._admissions)
+            seq.start(slot, self._admissions, cached, self.cfg.page_size)
             self._admissions += 1
             self.running[slot] = seq
             out.inserts.append(seq)
             budget, rows = self._schedule_chunk(seq, budget, rows, out)
-        self.waiting.extendleft(reversed(skipped))
 
     def check_invariants(self) -> None:
-        """Pages and slots are each in exactly one place (debug aid, used by tests)."""
-        self.allocator.check()
-        owned = [p for s in self.running.values() for p in s.pages]
-        assert len(owned) == len(set(owned)), "a page is owned by two sequences"
-        assert set(owned) == self.allocator._owned, "owned pages disagree with the allocator"
+        """Pages and slots are each in exactly one place; refcounts match the page tables;
+        a page shared by two sequences is a full cached prefix page (debug aid, used by tests)."""
+        self.allocator.check([s.pages for s in self.running.values()])
+        for seq in self.running.values():
+            assert len(set(seq.pages)) == len(seq.pages), "a page twice in one page table"
+            for i, page in enumerate(seq.pages):
+                if self.allocator.refcount(page) > 1:
+                    assert (i + 1) * self.cfg.page_size <= seq.num_computed, "shared partial page"
         assert sorted(self.free_slots + list(self.running)) == list(range(self.cfg.max_slots))
+        waiting = {id(s) for s in self.waiting}
+        assert not waiting & {id(s) for s in self.running.values()}, "sequence waiting and running"

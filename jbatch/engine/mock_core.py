@@ -1,0 +1,139 @@
+"""MockCore: a hand-checkable stand-in for :class:`EngineCore`, in numpy.
+
+It keeps the real engine's contract — slots, page tables, a paged pool written by scatter and
+read back through page tables, the same decode rule and counters — but its "model" is a formula:
+the next token is a hash of every token the sequence's page table leads to. So a scheduler or
+allocator bug (a page shared by mistake, recycled too early, a wrong table entry, a lost
+position) changes the output, while a correct engine reproduces :func:`expected_tokens` exactly.
+Scheduler and server tests use it to run thousands of steps in seconds, without a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import numpy as np
+
+from jbatch.engine.config import EngineConfig
+
+
+def next_token(tokens, seed: int, step: int, sampled: bool, vocab: int) -> int:
+    """The mock model: deterministic in the sequence; seeded "sampling" mixes in (seed, step)."""
+    h = 7
+    for t in tokens:
+        h = (h * 1_000_003 + int(t) + 1) % (2**61 - 1)
+    if sampled:
+        h = (h * 31 + int(seed) * 7919 + int(step) * 104_729) % (2**61 - 1)
+    return int(3 + h % (vocab - 3))  # never 0..2 (pad, bos, eos)
+
+
+def expected_tokens(prompt, max_tokens: int, seed: int, sampled: bool, vocab: int) -> list[int]:
+    """What a request alone must produce: feed each token back, ``max_tokens`` times."""
+    seq, out = list(prompt), []
+    for step in range(max_tokens):
+        out.append(next_token(seq, seed, step, sampled, vocab))
+        seq.append(out[-1])
+    return out
+
+
+@dataclasses.dataclass
+class MockState:
+    pool: np.ndarray  # [P, S] token id written at each (page, offset); -1 = never written
+    page_tables: np.ndarray  # [slots, max_pages]
+    tokens: np.ndarray
+    seq_lens: np.ndarray
+    prefill_lens: np.ndarray
+    active: np.ndarray
+    num_generated: np.ndarray
+    max_tokens: np.ndarray
+    temperature: np.ndarray
+    seed: np.ndarray
+
+
+class MockCore:
+    """Same methods as EngineCore (init_state / warmup / insert / release / step)."""
+
+    def __init__(self, cfg: EngineConfig, vocab: int):
+        self.cfg, self.vocab = cfg, vocab
+
+    def init_state(self) -> MockState:
+        s, c = self.cfg.max_slots, self.cfg
+        z = lambda: np.zeros(s, np.int64)
+        return MockState(
+            pool=np.full((c.num_pages, c.page_size), -1, np.int64),
+            page_tables=np.full((s, c.max_pages_per_seq), c.num_pages, np.int64),
+            tokens=z(),
+            seq_lens=z(),
+            prefill_lens=z(),
+            active=np.zeros(s, bool),
+            num_generated=z(),
+            max_tokens=z(),
+            temperature=np.zeros(s),
+            seed=z(),
+        )
+
+    def warmup(self, params, state: MockState) -> MockState:
+        return state
+
+    def insert(self, st: MockState, ins) -> MockState:
+        m = np.asarray(ins.mask)
+        st.page_tables[m] = np.asarray(ins.page_tables)[m]
+        st.seq_lens[m] = np.asarray(ins.seq_lens)[m]
+        st.prefill_lens[m] = np.asarray(ins.prefill_lens)[m]
+        st.num_generated[m] = np.asarray(ins.num_generated)[m]
+        st.max_tokens[m] = np.asarray(ins.max_tokens)[m]
+        st.temperature[m] = np.asarray(ins.sampling.temperature)[m]
+        st.seed[m] = np.asarray(ins.sampling.seed)[m]
+        st.tokens[m] = 0
+        st.active |= m
+        return st
+
+    def release(self, st: MockState, mask) -> MockState:
+        st.active &= ~np.asarray(mask)
+        return st
+
+    def _write(self, st: MockState, slot: int, pos: int, token: int) -> None:
+        page = st.page_tables[slot, pos // self.cfg.page_size]
+        assert page < self.cfg.num_pages, f"slot {slot} writes position {pos} without a page"
+        st.pool[page, pos % self.cfg.page_size] = token
+
+    def _read(self, st: MockState, slot: int, length: int) -> list[int]:
+        pos = np.arange(length)
+        pages = st.page_tables[slot, pos // self.cfg.page_size]
+        assert (pages < self.cfg.num_pages).all(), f"slot {slot} reads an unassigned page"
+        tokens = st.pool[pages, pos % self.cfg.page_size]
+        assert (tokens >= 0).all(), f"slot {slot} reads a position never written"
+        return tokens.tolist()
+
+    def step(self, params, st: MockState, b):
+        s = self.cfg.max_slots
+        for slot, idx, page in zip(b.write_slots, b.write_index, b.write_pages):
+            if slot < s:
+                st.page_tables[slot, idx] = page
+        max_len = st.page_tables.shape[1] * self.cfg.page_size
+        decode = (
+            st.active
+            & (st.seq_lens >= st.prefill_lens)
+            & (st.num_generated < st.max_tokens)
+            & (st.seq_lens < max_len)
+        )
+        for slot in np.flatnonzero(decode):
+            self._write(st, slot, st.seq_lens[slot], st.tokens[slot])
+        sampled = decode.copy()
+        for tok, slot, pos in zip(b.prefill_tokens, b.prefill_slots, b.prefill_positions):
+            if pos >= 0:
+                self._write(st, slot, pos, tok)
+                st.seq_lens[slot] = max(st.seq_lens[slot], pos + 1)
+                sampled[slot] |= pos == st.prefill_lens[slot] - 1
+        st.seq_lens[decode] += 1
+        new = np.zeros(s, np.int64)
+        for slot in np.flatnonzero(sampled):
+            seq = self._read(st, slot, st.seq_lens[slot])
+            new[slot] = next_token(
+                seq, st.seed[slot], st.num_generated[slot], st.temperature[slot] > 0, self.vocab
+            )
+        st.tokens = np.where(sampled, new, st.tokens)
+        st.num_generated += sampled
+        out = types.SimpleNamespace(tokens=new, sampled=sampled, logprobs=np.zeros(s))
+        return st, out
