@@ -6,6 +6,7 @@ from __future__ import annotations
 import types
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -63,9 +64,10 @@ request = st.fixed_dictionaries(
     caching=st.booleans(),
     aging=st.sampled_from([0, 3]),
     async_scheduling=st.booleans(),
+    preemption=st.sampled_from(["recompute", "swap", "auto"]),
 )
 def test_random_workloads_keep_invariants_and_exact_outputs(
-    reqs, slots, page_size, spare_pages, budget, caching, aging, async_scheduling
+    reqs, slots, page_size, spare_pages, budget, caching, aging, async_scheduling, preemption
 ):
     max_seq_len = 48
     eng = mock_engine(
@@ -77,6 +79,7 @@ def test_random_workloads_keep_invariants_and_exact_outputs(
         enable_prefix_caching=caching,
         aging_steps=aging,
         async_scheduling=async_scheduling,
+        preemption_mode=preemption,
     )
     rng = np.random.RandomState(0)
     prefixes = [rng.randint(3, VOCAB, n).tolist() for n in (0, 9, 22)]
@@ -141,6 +144,28 @@ def test_preempted_sequence_resumes_from_its_cached_pages():
     assert resumed and all(s.num_cached_tokens > 0 for s in resumed)
     for rid, prompt in zip(ids, prompts):
         assert eng.requests[rid].output_ids == expected(prompt, params(16))
+    assert_drained(eng)
+
+
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_swapped_sequences_resume_exactly(mode):
+    eng = mock_engine(
+        max_slots=3,
+        page_size=4,
+        num_pages=12,
+        max_seq_len=40,
+        max_num_batched_tokens=8,
+        preemption_mode=mode,
+        enable_prefix_caching=False,
+    )
+    prompts = [[3 + i] * 20 for i in range(3)]
+    ids = [eng.add_request(p, params(16, seed=i)) for i, p in enumerate(prompts)]
+    while eng.has_unfinished_requests():
+        eng.step()
+        eng.scheduler.check_invariants()
+    assert eng.stats["swap_outs"] > 0
+    for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+        assert eng.requests[rid].output_ids == expected(prompt, params(16, seed=i))
     assert_drained(eng)
 
 

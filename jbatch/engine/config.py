@@ -7,7 +7,7 @@ import dataclasses
 from pallas_kernels import IMPLEMENTATIONS
 
 DTYPES = ("float32", "bfloat16", "float16")
-PREEMPTION_MODES = ("recompute",)
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +23,10 @@ class EngineConfig:
     enable_prefix_caching: reuse full KV pages of identical prompt prefixes across requests.
     aging_steps: a waiting request's priority improves by one every this many steps (0 = no
         aging: strict priority, FCFS within a priority).
-    preemption_mode: what happens to a sequence evicted when pages run out ("recompute").
+    preemption_mode: what happens to a sequence evicted when pages run out: "recompute" (free
+        its pages, prefill again later, mostly from the prefix cache), "swap" (copy its pages
+        to host RAM and back), or "auto" (swap when recomputing would take more than one full
+        step's token budget).
     """
 
     max_slots: int = 8

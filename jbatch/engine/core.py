@@ -24,7 +24,7 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int32
 
-from jbatch.engine import buckets
+from jbatch.engine import buckets, swap
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.sampler import SlotSampling, sample
 from jbatch.engine.state import EngineState, init_state
@@ -240,6 +240,13 @@ class EngineCore:
         self.step = jax.jit(step_fn, donate_argnums=1)
         self.insert = jax.jit(insert, donate_argnums=0)
         self.release = jax.jit(release, donate_argnums=0)
+        self.swap_out = jax.jit(swap.swap_out, donate_argnums=0)
+        self.swap_in = jax.jit(swap.swap_in, donate_argnums=0)
+        self.host = jax.devices("cpu")[0]  # where swapped-out sequences wait
+
+    def unused_pages(self) -> np.ndarray:
+        """A page list of only padding (``num_pages``), the shape swap functions take."""
+        return np.full(self.cfg.max_pages_per_seq, self.cfg.num_pages, np.int32)
 
     def init_state(self) -> EngineState:
         return init_state(self.model_cfg, self.cfg)
@@ -251,6 +258,10 @@ class EngineCore:
         """Compile every program the engine will ever run (one ``step`` per bucket)."""
         state = self.insert(state, self.empty_insert())
         state = self.release(state, np.zeros(self.cfg.max_slots, bool))
+        if self.cfg.preemption_mode != "recompute":
+            state, saved = self.swap_out(state, np.int32(0), self.unused_pages())
+            state = self.swap_in(state, np.int32(0), self.unused_pages(), saved)
+            state = self.release(state, np.ones(self.cfg.max_slots, bool))
         for rows in buckets.prefill_buckets(self.cfg):
             state, out = self.step(params, state, StepBatch.empty(self.cfg, rows))
         jax.block_until_ready(out)

@@ -22,6 +22,7 @@ import secrets
 import time
 from collections.abc import Sequence as Seq
 
+import jax
 import numpy as np
 
 from jbatch.engine import batch_builder, stop_checker
@@ -154,26 +155,42 @@ class LLMEngine:
         outputs = []
         while len(self._inflight) > keep:
             outputs += self._process(*self._inflight.popleft())
-        if not dispatched and not self._inflight and self.scheduler.running:
+        if not (dispatched or sched.swap_ins or self._inflight) and self.scheduler.running:
             self.scheduler.break_deadlock()  # prompts stuck without pages: free the newest
         self.stats["host_seconds"] += time.perf_counter() - t0
         return outputs
 
     def _dispatch(self, sched: SchedulerOutput) -> bool:
+        """Device order: releases, swap-outs (before any reuse of their pages), inserts, the
+        step, then swap-ins (a swapped-in sequence takes part from the next step on)."""
         cfg, core = self.cfg, self.core
         if sched.releases:
             self.state = core.release(self.state, batch_builder.release_mask(cfg, sched.releases))
+        for seq, slot, pages in sched.swap_outs:
+            self.state, saved = core.swap_out(self.state, np.int32(slot), self._pages(pages))
+            seq.swapped = saved if core.host is None else jax.device_put(saved, core.host)
+            self.stats["swap_outs"] += 1
         if sched.inserts:
             self.state = core.insert(self.state, batch_builder.build_insert(cfg, sched.inserts))
-        if sched.empty:
+        dispatched = not sched.empty
+        if dispatched:
+            batch = batch_builder.build_step(cfg, sched)
+            self.state, out = core.step(self.params, self.state, batch)
+            self._inflight.append((sched, out))
+        for seq, slot, pages in sched.swap_ins:
+            self.state = core.swap_in(self.state, np.int32(slot), self._pages(pages), seq.swapped)
+            seq.swapped = None
+        if not dispatched:
             return False
-        batch = batch_builder.build_step(cfg, sched)
-        self.state, out = core.step(self.params, self.state, batch)
-        self._inflight.append((sched, out))
         self.stats["steps"] += 1
         self.stats["decode_rows"] += len(sched.decodes)
         self.stats["prompt_tokens"] += sum(len(c.token_ids) for c in sched.chunks)
         return True
+
+    def _pages(self, pages: list[int]) -> np.ndarray:
+        padded = self.core.unused_pages()
+        padded[: len(pages)] = pages
+        return padded
 
     def _process(self, sched: SchedulerOutput, out: StepOutput) -> list[RequestOutput]:
         t0 = time.perf_counter()

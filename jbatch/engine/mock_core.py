@@ -137,3 +137,33 @@ class MockCore:
         st.num_generated += sampled
         out = types.SimpleNamespace(tokens=new, sampled=sampled, logprobs=np.zeros(s))
         return st, out
+
+    def unused_pages(self) -> np.ndarray:
+        return np.full(self.cfg.max_pages_per_seq, self.cfg.num_pages, np.int64)
+
+    host = None  # swapped copies stay in host memory already
+
+    def swap_out(self, st: MockState, slot, pages):
+        idx = np.clip(pages, 0, self.cfg.num_pages - 1)
+        fields = (
+            "tokens",
+            "seq_lens",
+            "prefill_lens",
+            "num_generated",
+            "max_tokens",
+            "temperature",
+            "seed",
+        )
+        saved = {"pool": st.pool[idx].copy(), **{f: getattr(st, f)[slot].copy() for f in fields}}
+        st.active[slot] = False
+        return st, saved
+
+    def swap_in(self, st: MockState, slot, pages, saved):
+        real = pages < self.cfg.num_pages
+        st.pool[pages[real]] = saved["pool"][real]
+        st.page_tables[slot] = pages
+        for f, v in saved.items():
+            if f != "pool":
+                getattr(st, f)[slot] = v
+        st.active[slot] = True
+        return st

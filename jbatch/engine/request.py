@@ -48,6 +48,9 @@ class Sequence:
     first_scheduled_step: int | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
     num_preemptions: int = 0
+    preempted_at: int = -1  # scheduler step of the last preemption
+    swapped: object | None = None  # host copy of pages + slot rows while swapped out
+    swapped_pages: int = 0  # pages the swapped copy holds
     first_token_time: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -69,6 +72,12 @@ class Sequence:
     def uses_penalties(self) -> bool:
         p = self.params
         return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+    def resume(self, slot: int, admitted_at: int, pages: list[int]) -> None:
+        """Re-admit a swapped-out sequence into fresh ``pages``; its counters are unchanged."""
+        self.status = SeqStatus.RUNNING
+        self.slot, self.admitted_at, self.pages = slot, admitted_at, list(pages)
+        self.swapped_pages = 0
 
     def start(self, slot: int, admitted_at: int, cached_pages: list[int], page_size: int) -> None:
         """Admit into ``slot``: prefill the prompt plus any outputs from before a preemption,

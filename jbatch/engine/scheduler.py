@@ -43,6 +43,10 @@ class SchedulerOutput:
     decodes: list[Sequence] = dataclasses.field(default_factory=list)
     chunks: list[Chunk] = dataclasses.field(default_factory=list)
     page_writes: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    # Swap preemption: (sequence, slot, pages) copied out before the step / written back after it
+    # (a swapped-in sequence runs from the next step on).
+    swap_outs: list[tuple[Sequence, int, list[int]]] = dataclasses.field(default_factory=list)
+    swap_ins: list[tuple[Sequence, int, list[int]]] = dataclasses.field(default_factory=list)
     prompt_rows: int = 0  # chunk rows used, before rounding up to a bucket
     # (sequence, slot) of every sequence that receives a token from this step; the slot is kept
     # because a preemption may take it from the sequence before the token is read.
@@ -79,6 +83,7 @@ class Scheduler:
             self._free_slot(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+            seq.swapped = None
         seq.status = SeqStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
@@ -91,7 +96,20 @@ class Scheduler:
         self.pending_releases.append(seq.slot)
         seq.slot = None
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _swap_instead(self, seq: Sequence) -> bool:
+        mode = self.cfg.preemption_mode
+        return mode == "swap" or (
+            mode == "auto" and seq.num_computed > self.cfg.max_num_batched_tokens
+        )
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput | None = None) -> None:
+        """Evict ``seq`` (swap needs ``out``, where the copy-out is scheduled)."""
+        if out is not None and self._swap_instead(seq):
+            out.swap_outs.append((seq, seq.slot, list(seq.pages)))
+            seq.swapped_pages = len(seq.pages)
+        else:  # recompute: forget the device state; re-prefill prompt + outputs later
+            seq.swapped_pages = 0
+        seq.preempted_at = self.num_steps
         self._free_slot(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -170,7 +188,7 @@ class Scheduler:
                 continue
             while not self._grow(seq, seq.num_computed + 1, out):
                 victim = self._victim()
-                self._preempt(victim)
+                self._preempt(victim, out)
                 if victim is seq:
                     break
             if seq.status is SeqStatus.RUNNING:
@@ -213,11 +231,25 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int, rows: int) -> None:
         if not self.waiting:
             return
-        # Sequences still owed tokens from a step in flight (preempted) wait for them.
-        queue = sorted((s for s in self.waiting if not s.inflight), key=self.effective_priority)
+        # Sequences still owed tokens from a step in flight, or preempted this very step, wait.
+        queue = sorted(
+            (s for s in self.waiting if not s.inflight and s.preempted_at != self.num_steps),
+            key=self.effective_priority,
+        )
         for seq in queue:
             if not (self.free_slots and budget > 0 and rows >= self.cfg.block_q):
                 break
+            if seq.swapped_pages:
+                if self.allocator.num_free < seq.swapped_pages:
+                    break  # the head of the queue waits for pages; nobody overtakes it
+                self.waiting.remove(seq)
+                slot = self.free_slots.pop(0)
+                pages = self.allocator.allocate(seq.swapped_pages)
+                seq.resume(slot, self._admissions, pages)
+                self._admissions += 1
+                self.running[slot] = seq
+                out.swap_ins.append((seq, slot, pages))  # written back after this step
+                continue
             cached = []
             if self._cacheable(seq):
                 ids = seq.prompt_ids + seq.output_ids

@@ -1,0 +1,70 @@
+"""Swap preemption: move one slot's KV pages and per-slot state to host RAM and back.
+
+``swap_out`` gathers a slot's pages (padded to ``max_pages`` entries; padding reads are junk that
+``swap_in`` drops) and its rows of every per-slot array, and retires the slot. ``swap_in`` writes
+them into freshly allocated pages of any free slot and reactivates it: the sequence continues as
+if nothing happened — same positions, RNG counter and penalty statistics, no recomputation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Bool, Float, Int32
+
+from jbatch.engine.sampler import SlotSampling
+from jbatch.engine.state import EngineState
+from jbatch.models.kv_cache import KVCache
+
+_ROW_FIELDS = ("tokens", "seq_lens", "prefill_lens", "prompt_lens", "num_generated", "max_tokens")
+
+
+@struct.dataclass
+class SwappedSlot:
+    k: tuple[Float[Array, "max_pages page_size kv_heads head_dim"], ...]  # per layer
+    v: tuple[Float[Array, "max_pages page_size kv_heads head_dim"], ...]
+    rows: dict[str, Int32[Array, ""]]  # tokens, seq_lens, prefill_lens, ... of the slot
+    sampling: SlotSampling  # scalar fields: the slot's sampling row
+    prompt_mask: Bool[Array, " vocab"]
+    output_counts: Int32[Array, " vocab"]
+
+
+def swap_out(
+    state: EngineState, slot: Int32[Array, ""], pages: Int32[Array, " max_pages"]
+) -> tuple[EngineState, SwappedSlot]:
+    """Copy ``slot``'s pages and rows out and retire the slot."""
+    idx = jnp.clip(pages, 0, state.cache.num_pages - 1)
+    saved = SwappedSlot(
+        k=tuple(layer[idx] for layer in state.cache.k),
+        v=tuple(layer[idx] for layer in state.cache.v),
+        rows={f: getattr(state, f)[slot] for f in _ROW_FIELDS},
+        sampling=jax.tree.map(lambda a: a[slot], state.sampling),
+        prompt_mask=state.prompt_mask[slot],
+        output_counts=state.output_counts[slot],
+    )
+    return state.replace(active=state.active.at[slot].set(False)), saved
+
+
+def swap_in(
+    state: EngineState,
+    slot: Int32[Array, ""],
+    pages: Int32[Array, " max_pages"],
+    saved: SwappedSlot,
+) -> EngineState:
+    """Write a swapped-out sequence into fresh ``pages`` (entries == num_pages are padding) of a
+    free ``slot`` and reactivate it."""
+    put = lambda layers, data: tuple(
+        layer.at[pages].set(d.astype(layer.dtype), mode="drop") for layer, d in zip(layers, data)
+    )
+    cache = KVCache(k=put(state.cache.k, saved.k), v=put(state.cache.v, saved.v))
+    rows = {f: getattr(state, f).at[slot].set(saved.rows[f]) for f in _ROW_FIELDS}
+    return state.replace(
+        cache=cache,
+        page_tables=state.page_tables.at[slot].set(pages),
+        active=state.active.at[slot].set(True),
+        sampling=jax.tree.map(lambda a, r: a.at[slot].set(r), state.sampling, saved.sampling),
+        prompt_mask=state.prompt_mask.at[slot].set(saved.prompt_mask),
+        output_counts=state.output_counts.at[slot].set(saved.output_counts),
+        **rows,
+    )
