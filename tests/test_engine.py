@@ -243,3 +243,21 @@ def test_compile_counter_sees_compiles():
     with count_compiles() as compiled:
         jax.jit(lambda x: x * 3 + 1)(jnp.arange(7))
     assert "Compiling jit(<lambda>)" in compiled
+
+
+def test_swap_preemption_and_prefix_cache_with_the_real_model(hf_checkpoint):
+    """A pool too small for the workload, swap preemption, and prompts sharing a long system
+    prefix: outputs still match HF, pages were swapped, and prefix pages were reused."""
+    path, model = hf_checkpoint("llama")
+    llm = LLM(path, **{**ENGINE, "num_pages": 36}, preemption_mode="swap")
+    rng = np.random.RandomState(2)
+    system = rng.randint(3, 384, 70).tolist()
+    prompts = [system + rng.randint(3, 384, int(n)).tolist() for n in rng.randint(1, 30, 10)]
+    prompts += [rng.randint(3, 384, int(n)).tolist() for n in rng.randint(100, 200, 4)]
+    params = [GREEDY.replace(max_tokens=int(m)) for m in rng.randint(20, 60, len(prompts))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert_teacher_forced(model, prompt, out.outputs[0].token_ids)
+    assert llm.engine.stats["swap_outs"] > 0
+    assert llm.engine.scheduler.allocator.hits > 0
+    assert_drained(llm)
