@@ -17,6 +17,7 @@ dropped: the cost of overlap is at most one wasted row per finishing sequence.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import secrets
 import time
@@ -52,6 +53,7 @@ class LLMEngine:
         self.eos_ids = frozenset(eos_token_ids)
         self.core = EngineCore(model_cfg, cfg) if core is None else core
         self.state = self.core.init_state()
+        self._swap_compiled = cfg.preemption_mode != "recompute"
         if warmup:
             self.state = self.core.warmup(params, self.state)
         self.scheduler = Scheduler(cfg)
@@ -236,6 +238,21 @@ class LLMEngine:
             delta_text,
             metrics,
         )
+
+    POLICY_FIELDS = ("enable_prefix_caching", "aging_steps", "preemption_mode")
+
+    def set_policies(self, **policies) -> None:
+        """Change scheduling policies (prefix caching, aging, preemption mode) while idle; the
+        compiled programs are unchanged. A fresh scheduler starts with an empty prefix cache."""
+        bad = sorted(set(policies) - set(self.POLICY_FIELDS))
+        if bad:
+            raise ValueError(f"only {self.POLICY_FIELDS} can change at run time, got {bad}")
+        if self.has_unfinished_requests():
+            raise ValueError("set_policies needs an idle engine (requests are in flight)")
+        new = dataclasses.replace(self.cfg, **policies)
+        if new.preemption_mode != "recompute" and not self._swap_compiled:
+            raise ValueError("build the engine with a swap-capable preemption_mode to switch to it")
+        self.cfg, self.scheduler = new, Scheduler(new)
 
     def drain(self) -> None:
         """Wait for in-flight steps (used before inspecting device state in tests)."""
