@@ -255,7 +255,9 @@ def test_swap_preemption_and_prefix_cache_with_the_real_model(hf_checkpoint):
     prompts = [system + rng.randint(3, 384, int(n)).tolist() for n in rng.randint(1, 30, 10)]
     prompts += [rng.randint(3, 384, int(n)).tolist() for n in rng.randint(100, 200, 4)]
     params = [GREEDY.replace(max_tokens=int(m)) for m in rng.randint(20, 60, len(prompts))]
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    with count_compiles() as compiled:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert compiled == [], f"swapping recompiled: {compiled}"
     for prompt, out in zip(prompts, outs):
         assert_teacher_forced(model, prompt, out.outputs[0].token_ids)
     assert llm.engine.stats["swap_outs"] > 0

@@ -242,14 +242,24 @@ class EngineCore:
         self.release = jax.jit(release, donate_argnums=0)
         self.swap_out = jax.jit(swap.swap_out, donate_argnums=0)
         self.swap_in = jax.jit(swap.swap_in, donate_argnums=0)
-        self.host = jax.devices("cpu")[0]  # where swapped-out sequences wait
+        # The state lives committed on one device, so every program sees the same placement
+        # (a placement change would be a new cache key: a recompile). Swapped-out sequences
+        # wait in host RAM.
+        self.device = jax.devices()[0]
+        self.host = jax.devices("cpu")[0]
 
     def unused_pages(self) -> np.ndarray:
         """A page list of only padding (``num_pages``), the shape swap functions take."""
         return np.full(self.cfg.max_pages_per_seq, self.cfg.num_pages, np.int32)
 
     def init_state(self) -> EngineState:
-        return init_state(self.model_cfg, self.cfg)
+        return jax.device_put(init_state(self.model_cfg, self.cfg), self.device)
+
+    def to_host(self, saved: swap.SwappedSlot) -> swap.SwappedSlot:
+        return saved if self.host == self.device else jax.device_put(saved, self.host)
+
+    def to_device(self, saved: swap.SwappedSlot) -> swap.SwappedSlot:
+        return jax.device_put(saved, self.device)
 
     def empty_insert(self) -> SlotInsert:
         return build_empty_insert(self.cfg)

@@ -23,7 +23,6 @@ import secrets
 import time
 from collections.abc import Sequence as Seq
 
-import jax
 import numpy as np
 
 from jbatch.engine import batch_builder, stop_checker
@@ -170,7 +169,7 @@ class LLMEngine:
             self.state = core.release(self.state, batch_builder.release_mask(cfg, sched.releases))
         for seq, slot, pages in sched.swap_outs:
             self.state, saved = core.swap_out(self.state, np.int32(slot), self._pages(pages))
-            seq.swapped = saved if core.host is None else jax.device_put(saved, core.host)
+            seq.swapped = core.to_host(saved)
             self.stats["swap_outs"] += 1
         if sched.inserts:
             self.state = core.insert(self.state, batch_builder.build_insert(cfg, sched.inserts))
@@ -180,7 +179,8 @@ class LLMEngine:
             self.state, out = core.step(self.params, self.state, batch)
             self._inflight.append((sched, out))
         for seq, slot, pages in sched.swap_ins:
-            self.state = core.swap_in(self.state, np.int32(slot), self._pages(pages), seq.swapped)
+            saved = core.to_device(seq.swapped)
+            self.state = core.swap_in(self.state, np.int32(slot), self._pages(pages), saved)
             seq.swapped = None
         if not dispatched:
             return False

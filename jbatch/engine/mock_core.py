@@ -141,7 +141,10 @@ class MockCore:
     def unused_pages(self) -> np.ndarray:
         return np.full(self.cfg.max_pages_per_seq, self.cfg.num_pages, np.int64)
 
-    host = None  # swapped copies stay in host memory already
+    def to_host(self, saved):
+        return saved  # numpy: already in host memory
+
+    to_device = to_host
 
     def swap_out(self, st: MockState, slot, pages):
         idx = np.clip(pages, 0, self.cfg.num_pages - 1)
