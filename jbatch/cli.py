@@ -1,4 +1,4 @@
-"""The ``jbatch`` command line: ``jbatch generate``, ``jbatch make-tiny-model``.
+"""The ``jbatch`` command line: ``generate``, ``make-tiny-model``, ``serve``, ``client``.
 
 Engine flags map one to one onto :class:`EngineConfig` fields (``--max-slots`` -> max_slots),
 sampling flags onto :class:`SamplingParams` fields.
@@ -74,7 +74,105 @@ def _build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--hidden-size", type=int, default=256)
     tiny.add_argument("--num-layers", type=int, default=4)
     tiny.add_argument("--seed", type=int, default=0)
+
+    srv = sub.add_parser(
+        "serve",
+        help="serve a model over gRPC and OpenAI-compatible HTTP",
+        description="Serve a model: gRPC jbatch.v1.Generation (with health and reflection) and "
+        "an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+        "/health, /metrics) over one engine. SIGTERM drains and exits 0.",
+    )
+    srv.add_argument("--model", required=True, help="local Hugging Face checkpoint folder")
+    srv.add_argument("--served-model-name", default=None, help="default: the folder name")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    srv.add_argument("--grpc-port", type=int, default=50051, help="0 = any free port")
+    srv.add_argument("--http-port", type=int, default=8000, help="0 = any free port")
+    srv.add_argument(
+        "--metrics-port", type=int, default=None, help="extra Prometheus port (/metrics is "
+        "always on the HTTP port)"
+    )  # fmt: skip
+    srv.add_argument(
+        "--max-queue", type=int, default=1024, help="requests waiting for a slot before "
+        "RESOURCE_EXHAUSTED / 429"
+    )  # fmt: skip
+    srv.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get "
+        "on SIGTERM before they are aborted"
+    )  # fmt: skip
+    _add_engine_flags(srv)
+
+    cli = sub.add_parser(
+        "client",
+        help="stream a completion from a jbatch gRPC server",
+        description="Send prompts to `jbatch serve` over gRPC and print text as it arrives.",
+    )
+    cli.add_argument("prompts", nargs="+", help="prompt strings")
+    cli.add_argument("--target", default="127.0.0.1:50051", help="gRPC host:port")
+    cli.add_argument("--timeout", type=float, default=None, help="deadline per request (s)")
+    cli.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    cli.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    for name, (kind, default, text) in _SAMPLING_FLAGS.items():
+        cli.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from jbatch import LLM
+    from serving.server import ServeConfig, serve
+
+    if args.max_queue < 1:
+        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    config = ServeConfig(
+        host=args.host,
+        grpc_port=args.grpc_port,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        max_queue=args.max_queue,
+        shutdown_timeout=args.shutdown_timeout,
+        model_name=args.served_model_name or Path(args.model).resolve().name,
+    )
+    if not Path(args.model).is_dir():
+        raise FileNotFoundError(f"--model {args.model}: no such folder")
+    return serve(lambda: LLM(args.model, **_engine_kwargs(args)).engine, config)
+
+
+def _client(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import grpc
+
+    from jbatch import SamplingParams
+    from serving.client import GenerationClient, finish_reason_name
+
+    params = SamplingParams(
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        **{name: getattr(args, name) for name in _SAMPLING_FLAGS},
+    )
+
+    async def run() -> int:
+        async with GenerationClient(args.target) as client:
+            for prompt in args.prompts:
+                print(prompt, end="", flush=True)
+                try:
+                    async for resp in client.generate(prompt, params, timeout=args.timeout):
+                        print(resp.text, end="", flush=True)
+                        if resp.finish_reason:
+                            usage = resp.usage
+                            print(
+                                f"\n[jbatch] {finish_reason_name(resp)}: "
+                                f"{usage.prompt_tokens} prompt + {usage.completion_tokens} "
+                                "generated tokens",
+                                file=sys.stderr,
+                            )
+                except grpc.aio.AioRpcError as e:
+                    print(f"\njbatch: error: {e.code().name}: {e.details()}", file=sys.stderr)
+                    return 1
+        return 0
+
+    return asyncio.run(run())
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -114,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "client":
+            return _client(args)
         from jbatch.tiny_model import write_random_llama
 
         path = write_random_llama(

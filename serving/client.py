@@ -1,0 +1,115 @@
+"""GenerationClient: a small asyncio gRPC client for ``jbatch.v1.Generation``."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+from types import TracebackType
+
+import grpc
+
+from jbatch.sampling_params import SamplingParams
+from serving.grpc_server import sampling_params_to_proto
+from serving.proto.jbatch.v1 import generation_pb2 as pb
+from serving.proto.jbatch.v1 import generation_pb2_grpc as pb_grpc
+
+_FINISH_NAMES = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclasses.dataclass
+class Completion:
+    """A whole streamed completion, put together."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def finish_reason_name(resp: pb.GenerateResponse) -> str | None:
+    """ "stop" / "length" / "abort", or None while unfinished."""
+    return _FINISH_NAMES.get(resp.finish_reason)
+
+
+def build_request(
+    prompt: str | Sequence[int],
+    params: SamplingParams | None = None,
+    request_id: str = "",
+    priority: int = 0,
+) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id, priority=priority)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    if params is not None:
+        req.sampling_params.CopyFrom(sampling_params_to_proto(params))
+    return req
+
+
+class GenerationClient:
+    """``async with GenerationClient("127.0.0.1:50051") as c: async for r in c.generate(...)``."""
+
+    def __init__(self, target: str):
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+
+    async def __aenter__(self) -> GenerationClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str = "",
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream responses; raises grpc.aio.AioRpcError on a non-OK status. Leaving the loop
+        early cancels the call (the server aborts the request)."""
+        request = build_request(prompt, params, request_id, priority)
+        call = self.stub.Generate(request, timeout=timeout)
+        try:
+            async for resp in call:
+                yield resp
+        finally:
+            call.cancel()
+
+    async def complete(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, **kw
+    ) -> Completion:
+        """Generate to the end and return the pieces put together."""
+        text, ids, last = [], [], pb.GenerateResponse()
+        async with contextlib.aclosing(self.generate(prompt, params, **kw)) as stream:
+            async for resp in stream:
+                text.append(resp.text)
+                ids.extend(resp.token_ids)
+                last = resp
+        return Completion(
+            "".join(text),
+            ids,
+            finish_reason_name(last),
+            last.usage.prompt_tokens,
+            last.usage.completion_tokens,
+        )
+
+    async def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfo:
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)

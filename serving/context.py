@@ -1,0 +1,60 @@
+"""ServingContext: what the gRPC and HTTP front ends share (engine thread, metrics, health)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpc_health.v1 import health
+
+from jbatch.engine.loop import LLMEngine
+from jbatch.tokenizer import Tokenizer
+from serving.engine_thread import EngineThread
+from serving.errors import ServingError, Status
+from serving.metrics import ServingMetrics
+
+
+class ServingContext:
+    """Shared state of one server. ``engine_thread`` is None until the model is loaded."""
+
+    def __init__(self, model_name: str, metrics: ServingMetrics | None = None):
+        self.model_name = model_name
+        self.metrics = metrics or ServingMetrics()
+        self.health = health.aio.HealthServicer()
+        self.engine_thread: EngineThread | None = None
+
+    @property
+    def engine(self) -> LLMEngine | None:
+        return None if self.engine_thread is None else self.engine_thread.engine
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        engine = self.engine
+        return None if engine is None else engine.tokenizer
+
+    @property
+    def ready(self) -> bool:
+        """Loaded, warm and admitting requests."""
+        return self.engine_thread is not None and self.engine_thread.accepting
+
+    def engine_thread_or_raise(self) -> EngineThread:
+        """The engine thread, or ServingError UNAVAILABLE while loading / after shutdown."""
+        thread = self.engine_thread
+        if thread is None:
+            raise ServingError(Status.UNAVAILABLE, "the model is still loading")
+        return thread
+
+    def model_info(self) -> dict[str, Any] | None:
+        """Static facts about the model and engine (None while loading)."""
+        engine = self.engine
+        if engine is None:
+            return None
+        tok = engine.tokenizer
+        return dict(
+            model=self.model_name,
+            vocab_size=engine.model_cfg.vocab_size,
+            max_seq_len=engine.cfg.max_seq_len,
+            max_slots=engine.cfg.max_slots,
+            eos_token_ids=sorted(engine.eos_ids),
+            has_chat_template=bool(tok is not None and tok.chat_template),
+            dtype=engine.cfg.dtype,
+        )

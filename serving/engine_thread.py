@@ -1,0 +1,392 @@
+"""EngineThread: the one thread that owns the :class:`LLMEngine`; every front end talks to it.
+
+``LLMEngine`` is not thread-safe, so nothing but this thread touches it. Data flow of a request:
+
+1. A front end (gRPC or HTTP handler, on its asyncio loop) builds ``SamplingParams`` (a
+   ``ValueError`` there is INVALID_ARGUMENT) and calls :meth:`EngineThread.submit`. Admission
+   control runs under a lock — draining: UNAVAILABLE; ``max_queue`` requests already waiting for
+   a slot: RESOURCE_EXHAUSTED — then an ``_Add`` command goes on the thread-safe inbox and the
+   caller gets a :class:`RequestStream`.
+2. The engine thread blocks on the inbox while the engine has nothing to do (no busy spin).
+   Otherwise it takes the queued commands without blocking — adds (``engine.add_request``; its
+   ``ValueError`` fails that stream with INVALID_ARGUMENT), aborts, calls — and runs one
+   ``engine.step()``.
+3. Each ``RequestOutput`` becomes a :class:`Delta` put on its request's asyncio queue with
+   ``loop.call_soon_threadsafe``; the stream's async iterator hands it to the front end.
+4. A finished request is forgotten (``engine.requests``). An abort (client went away, deadline)
+   calls ``engine.abort_request``: the slot and pages are free for the very next step.
+5. If ``engine.step()`` raises, the requests the device touched fail with INTERNAL, the device
+   state and the scheduler are rebuilt (compiled programs are reused), requests that never
+   reached the device stay queued, and the loop goes on.
+6. :meth:`shutdown`: stop admitting, let in-flight requests finish until a deadline, fail the
+   rest with UNAVAILABLE, end the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jbatch.engine.loop import LLMEngine
+from jbatch.engine.request import SeqStatus
+from jbatch.engine.scheduler import Scheduler
+from jbatch.engine.state import init_state
+from jbatch.sampling_params import SamplingParams
+from serving.errors import ServingError, Status
+from serving.metrics import ServingMetrics
+
+log = logging.getLogger(__name__)
+
+_MAX_COMMANDS_PER_STEP = 4096  # bounds the time between steps when many requests arrive at once
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """What one engine step added to a request; the last one has ``finish_reason`` set."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id / stop string that matched
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # generated so far, this delta included
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestStream:
+    """Async iterator over one request's :class:`Delta` s; raises :class:`ServingError`.
+
+    Created by :meth:`EngineThread.submit` on the caller's event loop, fed by the engine thread.
+    Call :meth:`abort` when the consumer gives up (cancellation, deadline, disconnect).
+    """
+
+    def __init__(self, request_id: str, owner: EngineThread, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._owner = owner
+        self._loop = loop
+        self._queue: asyncio.Queue[Delta | ServingError] = asyncio.Queue()
+        self.done = False
+
+    def _put(self, item: Delta | ServingError) -> None:
+        """Hand ``item`` to the consumer's loop (any thread)."""
+        # A closed loop (RuntimeError) means nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self.done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, ServingError):
+            self.done = True
+            raise item
+        if item.finished:
+            self.done = True
+        return item
+
+    def abort(self, outcome: str = "cancelled") -> None:
+        """Stop generating (no-op once the stream has ended); ``outcome`` labels the metric."""
+        if not self.done:
+            self.done = True
+            self._owner.abort(self.request_id, outcome)
+
+
+@dataclasses.dataclass
+class _Add:
+    stream: RequestStream
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    arrival: float
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str
+    outcome: str
+
+
+@dataclasses.dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
+
+
+@dataclasses.dataclass
+class _Stop:
+    deadline: float
+
+
+@dataclasses.dataclass
+class _Live:
+    """Engine-thread bookkeeping of an accepted request."""
+
+    stream: RequestStream
+    arrival: float
+    last_token: float | None = None
+
+
+class EngineThread:
+    """Drive ``engine`` from a dedicated thread; see the module docstring for the data flow."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_queue: int = 1024,
+        metrics: ServingMetrics | None = None,
+        name: str = "jbatch-engine",
+    ):
+        if not isinstance(max_queue, int) or max_queue < 1:
+            raise ValueError(f"max_queue must be an int >= 1, got {max_queue!r}")
+        self.engine = engine
+        self.max_queue = max_queue  # may be changed while serving
+        self.metrics = metrics or ServingMetrics()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._outstanding = 0  # accepted and not yet retired (guarded by _lock)
+        self._running = 0  # requests in slots, published by the engine thread after each step
+        self._draining = False
+        self._ids = itertools.count()
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._stop_deadline: float | None = None  # engine thread only
+        self._exiting = False
+        self._failed_steps = 0  # consecutive failed engine steps
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # ---- any thread -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def accepting(self) -> bool:
+        return self._thread.is_alive() and not self._draining
+
+    @property
+    def num_outstanding(self) -> int:
+        """Accepted requests not yet finished, aborted or failed."""
+        return self._outstanding
+
+    def submit(
+        self, prompt: str | Sequence[int], params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
+        """Queue a request (call from a coroutine: the stream lives on the running loop).
+
+        Raises ServingError UNAVAILABLE (draining or stopped) or RESOURCE_EXHAUSTED (queue full).
+        Errors of the prompt itself arrive through the stream as INVALID_ARGUMENT.
+        """
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if not self.accepting:
+                raise ServingError(Status.UNAVAILABLE, "the server is shutting down")
+            waiting = self._outstanding - self._running
+            if waiting >= self.max_queue:
+                raise ServingError(
+                    Status.RESOURCE_EXHAUSTED,
+                    f"request queue is full: {waiting} requests waiting for a slot "
+                    f"(max_queue={self.max_queue}); retry later",
+                )
+            self._outstanding += 1
+            stream = RequestStream(f"srv-{next(self._ids)}", self, loop)
+            prompt = prompt if isinstance(prompt, str) else list(prompt)
+            # Put under the lock: the engine thread's exit takes the lock before its last look
+            # at the inbox, so an accepted request is always answered.
+            self._inbox.put(_Add(stream, prompt, params, priority, time.monotonic()))
+        return stream
+
+    def abort(self, request_id: str, outcome: str = "cancelled") -> None:
+        """Abort a request by its server id; ``outcome`` is the metrics status label."""
+        self._inbox.put(_Abort(request_id, outcome))
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread between steps (inspection, tests)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Call(fn, future))
+        return future
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (UNAVAILABLE); accepted ones keep running."""
+        with self._lock:
+            self._draining = True
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Drain, give in-flight requests ``timeout`` seconds, fail the rest, join the thread.
+
+        Blocks: from a coroutine, run it in an executor so the loop keeps streaming meanwhile.
+        """
+        self.begin_drain()
+        if self._thread.is_alive():
+            self._inbox.put(_Stop(time.monotonic() + timeout))
+            self._thread.join(timeout + 60.0)
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                stopping = self._stop_deadline is not None
+                self._take_commands(block=not stopping and not engine.has_unfinished_requests())
+                if self._stop_deadline is not None:
+                    if not self._live and not engine.has_unfinished_requests():
+                        break
+                    if time.monotonic() >= self._stop_deadline:
+                        self._fail_all(
+                            ServingError(Status.UNAVAILABLE, "the server shut down first")
+                        )
+                        break
+                if engine.has_unfinished_requests():
+                    self._step()
+                self._publish()
+        except BaseException as e:  # a bug in this loop: fail everyone rather than hang them
+            log.exception("engine thread crashed")
+            self._fail_all(ServingError(Status.INTERNAL, f"engine thread crashed: {e!r}"))
+        finally:
+            with self._lock:
+                self._draining = self._exiting = True
+            self._take_commands(block=False)  # answer calls and adds that raced the exit
+            log.info("engine thread stopped")
+
+    def _take_commands(self, block: bool) -> None:
+        for i in range(_MAX_COMMANDS_PER_STEP):
+            try:
+                cmd = self._inbox.get(block=block and i == 0)
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            elif isinstance(cmd, _Abort):
+                self._abort(cmd.request_id, cmd.outcome)
+            elif isinstance(cmd, _Call):
+                try:
+                    cmd.future.set_result(cmd.fn(self.engine))
+                except Exception as e:
+                    cmd.future.set_exception(e)
+            else:
+                self._stop_deadline = cmd.deadline
+
+    def _add(self, cmd: _Add) -> None:
+        rid = cmd.stream.request_id
+        if self._exiting:
+            self._fail(cmd.stream, ServingError(Status.UNAVAILABLE, "the server shut down"))
+            return
+        try:
+            self.engine.add_request(
+                cmd.prompt, cmd.params, request_id=rid, priority=cmd.priority,
+                arrival_time=cmd.arrival,
+            )  # fmt: skip
+        except ValueError as e:
+            self._fail(cmd.stream, ServingError(Status.INVALID_ARGUMENT, str(e)))
+            return
+        self._live[rid] = _Live(cmd.stream, cmd.arrival)
+
+    def _abort(self, request_id: str, outcome: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return  # finished (or failed) before the abort arrived
+        self.engine.abort_request(request_id)
+        self.engine.requests.pop(request_id, None)
+        live.stream._put(Delta([], "", finish_reason="abort"))
+        self.metrics.outcome(outcome, "abort")
+        self._count_retired()
+
+    def _step(self) -> None:
+        engine = self.engine
+        try:
+            outputs = engine.step()
+        except Exception as e:
+            self._failed_steps += 1
+            self._recover(e)
+            return
+        self._failed_steps = 0
+        now = time.monotonic()
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue  # aborted meanwhile
+            completion = out.outputs[0]
+            if out.delta_token_ids:
+                if live.last_token is None:
+                    self.metrics.ttft.observe(now - live.arrival)
+                else:
+                    self.metrics.itl.observe(now - live.last_token)
+                live.last_token = now
+            finish = completion.finish_reason if out.finished else None
+            live.stream._put(
+                Delta(
+                    token_ids=list(out.delta_token_ids),
+                    text=out.delta_text,
+                    finish_reason=finish,
+                    stop_reason=completion.stop_reason if out.finished else None,
+                    prompt_tokens=len(out.prompt_token_ids),
+                    completion_tokens=len(completion.token_ids),
+                )
+            )
+            if out.finished:
+                del self._live[out.request_id]
+                engine.requests.pop(out.request_id, None)
+                self.metrics.e2e.observe(now - live.arrival)
+                self.metrics.outcome("ok", finish)
+                self._count_retired()
+
+    def _recover(self, exc: Exception) -> None:
+        """After a failed step the donated device state may be invalid: rebuild it, fail what
+        the device touched, keep what it never saw (unless steps keep failing)."""
+        log.exception("engine step failed; failing in-flight requests and rebuilding state")
+        engine = self.engine
+        fresh = getattr(engine.core, "init_state", None)  # newer engines build state there
+        engine.state = fresh() if fresh else init_state(engine.model_cfg, engine.cfg)
+        engine._inflight.clear()  # no public API for this yet
+        engine.scheduler = Scheduler(engine.cfg)
+        error = ServingError(Status.INTERNAL, f"engine step failed: {type(exc).__name__}: {exc}")
+        for rid, seq in list(engine.requests.items()):
+            pristine = seq.status is SeqStatus.WAITING and seq.admitted_at < 0 and not seq.inflight
+            if pristine and self._failed_steps < 2:
+                engine.scheduler.add(seq)  # never admitted: nothing of it is on the device
+                continue
+            del engine.requests[rid]
+            live = self._live.pop(rid, None)
+            if live is not None:
+                self._fail(live.stream, error)
+        for live in list(self._live.values()):  # not in engine.requests: cannot happen, but
+            if live.stream.request_id not in engine.requests:  # never leave a stream hanging
+                del self._live[live.stream.request_id]
+                self._fail(live.stream, error)
+
+    def _fail_all(self, error: ServingError) -> None:
+        for rid, live in list(self._live.items()):
+            self.engine.abort_request(rid)
+            self.engine.requests.pop(rid, None)
+            self._fail(live.stream, error)
+        self._live.clear()
+
+    def _fail(self, stream: RequestStream, error: ServingError) -> None:
+        """End an accepted request with ``error``."""
+        stream._put(error)
+        self.metrics.outcome(error.status.label)
+        self._count_retired()
+
+    def _count_retired(self) -> None:
+        with self._lock:
+            self._outstanding -= 1
+
+    def _publish(self) -> None:
+        sched = self.engine.scheduler
+        with self._lock:
+            self._running = len(sched.running)
+            waiting = self._outstanding - self._running
+        self.metrics.observe_engine(sched, self.engine.cfg.max_slots, waiting)

@@ -1,0 +1,158 @@
+"""The gRPC front end: ``jbatch.v1.Generation`` plus grpc.health.v1 and server reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jbatch.sampling_params import SamplingParams
+from serving.context import ServingContext
+from serving.engine_thread import Delta
+from serving.errors import ServingError, Status
+from serving.proto.jbatch.v1 import generation_pb2 as pb
+from serving.proto.jbatch.v1 import generation_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "jbatch.v1.Generation"
+
+_OPTIONAL_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "max_tokens",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
+
+_FINISH = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+
+def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Unset fields keep the Python defaults; raises ValueError naming a bad field."""
+    kwargs: dict = {name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)}
+    if msg.stop:
+        kwargs["stop"] = list(msg.stop)
+    if msg.stop_token_ids:
+        kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    return SamplingParams(**kwargs)
+
+
+def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    """The inverse of :func:`sampling_params_from_proto` (clients use it)."""
+    msg = pb.SamplingParams(stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
+    for name in _OPTIONAL_FIELDS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def response_from_delta(request_id: str, delta: Delta) -> pb.GenerateResponse:
+    resp = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text)
+    if delta.finished:
+        resp.finish_reason = _FINISH.get(delta.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+        if isinstance(delta.stop_reason, str):
+            resp.stop_string = delta.stop_reason
+        elif isinstance(delta.stop_reason, int):
+            resp.stop_token_id = delta.stop_reason
+        resp.usage.prompt_tokens = delta.prompt_tokens
+        resp.usage.completion_tokens = delta.completion_tokens
+    return resp
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    """``jbatch.v1.Generation`` over the shared engine thread."""
+
+    def __init__(self, ctx: ServingContext):
+        self.ctx = ctx
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        ctx = self.ctx
+        try:
+            params = sampling_params_from_proto(request.sampling_params)
+            kind = request.WhichOneof("prompt")
+            if kind is None:
+                raise ValueError("prompt is required: set text or token_ids")
+            prompt = request.text if kind == "text" else list(request.token_ids.ids)
+            stream = ctx.engine_thread_or_raise().submit(prompt, params, request.priority)
+        except ValueError as e:
+            ctx.metrics.outcome(Status.INVALID_ARGUMENT.label)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ServingError as e:
+            ctx.metrics.outcome(e.status.label)
+            await context.abort(e.status.grpc_code, e.message)
+        loop = asyncio.get_running_loop()
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else loop.time() + remaining
+        tokens = 0
+        try:
+            while True:
+                timeout = None if deadline is None else max(0.0, deadline - loop.time())
+                try:
+                    delta = await asyncio.wait_for(anext(stream), timeout)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    stream.abort(Status.DEADLINE_EXCEEDED.label)
+                    msg = f"deadline exceeded after {tokens} generated tokens"
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, msg)
+                except ServingError as e:
+                    await context.abort(e.status.grpc_code, e.message)
+                tokens += len(delta.token_ids)
+                yield response_from_delta(request.request_id, delta)
+        finally:
+            stream.abort()  # client cancelled / went away: free the slot (no-op when finished)
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        info = self.ctx.model_info()
+        if info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return pb.ModelInfo(**info)
+
+
+def build_grpc_server(ctx: ServingContext, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server with Generation, health and reflection, bound (not started).
+
+    Returns the server and the port it bound (``port=0`` picks a free one).
+    """
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_GenerationServicer_to_server(GenerationService(ctx), server)
+    health_pb2_grpc.add_HealthServicer_to_server(ctx.health, server)
+    names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind the gRPC server to {host}:{port}")
+    return server, bound
+
+
+async def set_health(ctx: ServingContext, serving: bool) -> None:
+    """Overall ("") and per-service health: SERVING only while the engine is warm and admitting."""
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ("", SERVICE_NAME):
+        await ctx.health.set(name, status)

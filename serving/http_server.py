@@ -1,0 +1,271 @@
+"""The OpenAI-compatible HTTP front end (FastAPI): completions, chat completions, models, health,
+and Prometheus ``/metrics``.
+
+Beyond OpenAI's fields, requests accept jbatch's sampling fields (``top_k``, ``min_p``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``,
+``skip_special_tokens``, ``priority``), and every choice carries the generated ``token_ids``.
+Errors are ``{"error": {"message", "type", "code"}}`` with the HTTP status of
+:class:`serving.errors.Status`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from jbatch.sampling_params import SamplingParams
+from serving.chat_template import render_chat
+from serving.context import ServingContext
+from serving.engine_thread import Delta, RequestStream
+from serving.errors import ServingError, Status
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    priority: int = 0
+
+    def sampling_params(self) -> SamplingParams:
+        """Raises ValueError naming the field."""
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (one completion per request), got {self.n}")
+        names = set(SamplingParams.__dataclass_fields__) - {"n", "min_tokens", "logprobs"}
+        kwargs = {k: v for k in names if (v := getattr(self, k, None)) is not None}
+        return SamplingParams(**kwargs)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    max_tokens: int | None = None  # OpenAI: until the context is full
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    max_completion_tokens: int | None = None
+
+
+def _error(status: Status, message: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": status.label, "code": status.http_status}}
+    return JSONResponse(body, status_code=status.http_status)
+
+
+def _sse(obj: dict | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+def build_app(ctx: ServingContext) -> FastAPI:
+    """The FastAPI application of one server."""
+    app = FastAPI(title="jbatch", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        ctx.metrics.outcome(Status.INVALID_ARGUMENT.label)
+        return _error(Status.INVALID_ARGUMENT, f"{field}: {first.get('msg', 'invalid value')}")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if ctx.ready:
+            return JSONResponse({"status": "ok"})
+        state = "loading" if ctx.engine_thread is None else "shutting down"
+        return JSONResponse({"status": state}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        info = ctx.model_info()
+        if info is None:
+            return _error(Status.UNAVAILABLE, "the model is still loading")
+        card = {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "jbatch",
+            "max_model_len": info["max_seq_len"],
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Response:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                msg = f"prompt: one prompt per request, got a list of {len(prompt)}"
+                return _fail(ctx, Status.INVALID_ARGUMENT, msg)
+            prompt = prompt[0]
+        if req.echo or req.logprobs:
+            return _fail(ctx, Status.INVALID_ARGUMENT, "echo / logprobs are not supported")
+        return await _generate(ctx, req, prompt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest) -> Response:
+        if req.max_completion_tokens is not None:
+            req.max_tokens = req.max_completion_tokens
+        try:
+            messages = [_flatten_content(m) for m in req.messages]
+            text = render_chat(ctx.tokenizer, messages, req.add_generation_prompt)
+            # The template writes special tokens (BOS...) itself.
+            prompt = ctx.tokenizer.encode(text, add_special_tokens=False)
+        except ValueError as e:
+            return _fail(ctx, Status.INVALID_ARGUMENT, str(e))
+        return await _generate(ctx, req, prompt, chat=True)
+
+    return app
+
+
+def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI content parts ``[{"type": "text", "text": ...}]`` -> one string."""
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = [p.get("text", "") for p in content if isinstance(p, dict) and "text" in p]
+        message = {**message, "content": "".join(parts)}
+    return message
+
+
+def _fail(ctx: ServingContext, status: Status, message: str) -> JSONResponse:
+    ctx.metrics.outcome(status.label)
+    return _error(status, message)
+
+
+async def _generate(
+    ctx: ServingContext, req: _SamplingFields, prompt: str | list[int], chat: bool
+) -> Response:
+    try:
+        params = req.sampling_params()
+        stream = ctx.engine_thread_or_raise().submit(prompt, params, req.priority)
+    except ValueError as e:
+        return _fail(ctx, Status.INVALID_ARGUMENT, str(e))
+    except ServingError as e:
+        return _fail(ctx, e.status, e.message)
+    meta = {
+        "id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
+        "created": int(time.time()),
+        "model": ctx.model_name,
+    }
+    try:
+        first = await anext(stream)  # errors before the first token keep their HTTP status
+    except ServingError as e:
+        return _error(e.status, e.message)
+    except BaseException:
+        stream.abort()
+        raise
+    if req.stream:
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        body = _stream_body(stream, first, meta, chat, include_usage)
+        return StreamingResponse(body, media_type="text/event-stream")
+    return await _collect(stream, first, meta, chat)
+
+
+def _choice(delta: Delta, chat: bool, streaming: bool, first: bool) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0}
+    if chat:
+        if streaming:
+            choice["delta"] = (
+                {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+            )
+        else:
+            choice["message"] = {"role": "assistant", "content": delta.text}
+    else:
+        choice["text"] = delta.text
+        choice["logprobs"] = None
+    choice["token_ids"] = delta.token_ids
+    choice["finish_reason"] = delta.finish_reason
+    if delta.finished:
+        choice["stop_reason"] = delta.stop_reason
+    return choice
+
+
+def _usage(delta: Delta) -> dict[str, int]:
+    return {
+        "prompt_tokens": delta.prompt_tokens,
+        "completion_tokens": delta.completion_tokens,
+        "total_tokens": delta.prompt_tokens + delta.completion_tokens,
+    }
+
+
+async def _stream_body(
+    stream: RequestStream, first: Delta, meta: dict, chat: bool, include_usage: bool
+) -> AsyncIterator[bytes]:
+    kind: Literal["chat.completion.chunk", "text_completion"] = (
+        "chat.completion.chunk" if chat else "text_completion"
+    )
+    delta, is_first = first, True
+    try:
+        while True:
+            chunk = {**meta, "object": kind, "choices": [_choice(delta, chat, True, is_first)]}
+            yield _sse(chunk)
+            is_first = False
+            if delta.finished:
+                if include_usage:
+                    yield _sse({**meta, "object": kind, "choices": [], "usage": _usage(delta)})
+                break
+            try:
+                delta = await anext(stream)
+            except ServingError as e:  # the status line is sent already: report in-band
+                body = {"message": e.message, "type": e.status.label, "code": e.status.http_status}
+                yield _sse({"error": body})
+                break
+        yield _sse("[DONE]")
+    finally:
+        stream.abort()  # client disconnected: free the slot (no-op when finished)
+
+
+async def _collect(stream: RequestStream, first: Delta, meta: dict, chat: bool) -> Response:
+    deltas = [first]
+    try:
+        while not deltas[-1].finished:
+            deltas.append(await anext(stream))
+    except ServingError as e:
+        return _error(e.status, e.message)
+    finally:
+        stream.abort()
+    last = deltas[-1]
+    whole = Delta(
+        token_ids=[t for d in deltas for t in d.token_ids],
+        text="".join(d.text for d in deltas),
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens,
+    )
+    body = {
+        **meta,
+        "object": "chat.completion" if chat else "text_completion",
+        "choices": [_choice(whole, chat, False, True)],
+        "usage": _usage(whole),
+    }
+    return JSONResponse(body)

@@ -1,0 +1,102 @@
+"""Prometheus metrics of one server (own registry, so several servers can live in one process).
+
+Exported (all prefixed ``jbatch_``):
+
+* histograms ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
+  ``e2e_request_latency_seconds`` (arrival at the server -> last token);
+* gauges ``queue_depth`` (accepted requests not yet in a slot), ``running_slots``,
+  ``slot_utilization`` (running / max_slots), ``kv_pages_used``, ``kv_pages_total``,
+  ``prefix_cache_hit_rate`` (pages found / pages looked up; 0 while the engine has no prefix
+  cache);
+* counters ``preemptions_total`` and ``requests_total{status, finish_reason}`` — status ``ok``
+  (finish_reason stop / length / abort), ``cancelled`` (client went away) or an error status
+  (``invalid_argument``, ``resource_exhausted``, ``deadline_exceeded``, ``unavailable``,
+  ``internal``; finish_reason empty).
+
+Histograms and counters are updated by whichever thread sees the event (prometheus-client is
+thread-safe); gauges only by the engine thread, from ``observe_engine`` after each step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import prometheus_client as prom
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class ServingMetrics:
+    """The metric objects plus the small amount of state needed to update them."""
+
+    def __init__(self, registry: prom.CollectorRegistry | None = None):
+        self.registry = registry or prom.CollectorRegistry()
+        r = self.registry
+        self.ttft = prom.Histogram(
+            "jbatch_time_to_first_token_seconds",
+            "Arrival to first streamed token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = prom.Histogram(
+            "jbatch_inter_token_latency_seconds",
+            "Time between consecutive tokens of one request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = prom.Histogram(
+            "jbatch_e2e_request_latency_seconds",
+            "Arrival to last token of a finished request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = prom.Gauge(
+            "jbatch_queue_depth", "Accepted requests not yet in a slot.", registry=r
+        )
+        self.running = prom.Gauge("jbatch_running_slots", "Slots holding a request.", registry=r)
+        self.utilization = prom.Gauge(
+            "jbatch_slot_utilization", "Running slots / max_slots.", registry=r
+        )
+        self.pages_used = prom.Gauge("jbatch_kv_pages_used", "KV pages owned.", registry=r)
+        self.pages_total = prom.Gauge("jbatch_kv_pages_total", "KV pages in the pool.", registry=r)
+        self.prefix_hit_rate = prom.Gauge(
+            "jbatch_prefix_cache_hit_rate",
+            "Prefix-cache pages found / looked up (0 without prefix caching).",
+            registry=r,
+        )
+        self.preemptions = prom.Counter(
+            "jbatch_preemptions", "Sequences preempted (by recompute).", registry=r
+        )
+        self.requests = prom.Counter(
+            "jbatch_requests",
+            "Requests by outcome.",
+            ["status", "finish_reason"],
+            registry=r,
+        )
+        self._last_preemptions = 0
+
+    def outcome(self, status: str, finish_reason: str | None = None) -> None:
+        """Count one finished request: ``status`` ok / cancelled / an error label."""
+        self.requests.labels(status=status, finish_reason=finish_reason or "").inc()
+
+    def observe_engine(self, scheduler: Any, max_slots: int, num_waiting: int) -> None:
+        """Refresh the gauges from the engine's scheduler (engine thread only)."""
+        running = len(scheduler.running)
+        self.queue_depth.set(num_waiting)
+        self.running.set(running)
+        self.utilization.set(running / max_slots)
+        alloc = scheduler.allocator
+        self.pages_used.set(alloc.num_used)
+        self.pages_total.set(alloc.num_pages)
+        queries = getattr(alloc, "queries", 0)
+        self.prefix_hit_rate.set(getattr(alloc, "hits", 0) / queries if queries else 0.0)
+        # The scheduler's count restarts when it is rebuilt after an engine fault.
+        total = scheduler.num_preemptions
+        if total < self._last_preemptions:
+            self._last_preemptions = 0
+        self.preemptions.inc(total - self._last_preemptions)
+        self._last_preemptions = total
+
+    def exposition(self) -> bytes:
+        """The text exposition format (what ``/metrics`` returns)."""
+        return prom.generate_latest(self.registry)
