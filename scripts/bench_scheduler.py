@@ -75,7 +75,7 @@ def pressure(rng, vocab, n=24, prompt=64, out=160):
     return [[(rng.integers(3, vocab, prompt).tolist(), out, 0) for _ in range(n)]]
 
 
-def flood(rng, vocab, steps=240, per_step=1, long_every=60, long_len=400):
+def flood(rng, vocab, steps=200, per_step=3, long_every=50, long_len=400):
     arrivals = []
     for k in range(steps):
         now = [(rng.integers(3, vocab, 8).tolist(), 4, 0) for _ in range(per_step)]

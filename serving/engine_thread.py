@@ -37,9 +37,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jbatch.engine.loop import LLMEngine
-from jbatch.engine.request import SeqStatus
-from jbatch.engine.scheduler import Scheduler
-from jbatch.engine.state import init_state
 from jbatch.sampling_params import SamplingParams
 from serving.errors import ServingError, Status
 from serving.metrics import ServingMetrics
@@ -299,7 +296,7 @@ class EngineThread:
         if live is None:
             return  # finished (or failed) before the abort arrived
         self.engine.abort_request(request_id)
-        self.engine.requests.pop(request_id, None)
+        self.engine.forget(request_id)
         live.stream._put(Delta([], "", finish_reason="abort"))
         self.metrics.outcome(outcome, "abort")
         self._count_retired()
@@ -338,7 +335,7 @@ class EngineThread:
             )
             if out.finished:
                 del self._live[out.request_id]
-                engine.requests.pop(out.request_id, None)
+                engine.forget(out.request_id)
                 self.metrics.e2e.observe(now - live.arrival)
                 self.metrics.outcome("ok", finish)
                 self._count_retired()
@@ -348,17 +345,10 @@ class EngineThread:
         the device touched, keep what it never saw (unless steps keep failing)."""
         log.exception("engine step failed; failing in-flight requests and rebuilding state")
         engine = self.engine
-        fresh = getattr(engine.core, "init_state", None)  # newer engines build state there
-        engine.state = fresh() if fresh else init_state(engine.model_cfg, engine.cfg)
-        engine._inflight.clear()  # no public API for this yet
-        engine.scheduler = Scheduler(engine.cfg)
         error = ServingError(Status.INTERNAL, f"engine step failed: {type(exc).__name__}: {exc}")
-        for rid, seq in list(engine.requests.items()):
-            pristine = seq.status is SeqStatus.WAITING and seq.admitted_at < 0 and not seq.inflight
-            if pristine and self._failed_steps < 2:
-                engine.scheduler.add(seq)  # never admitted: nothing of it is on the device
-                continue
-            del engine.requests[rid]
+        # Requests never admitted have nothing on the device: they wait on (unless steps keep
+        # failing, then they fail too so nothing hangs).
+        for rid in engine.reset(requeue_waiting=self._failed_steps < 2):
             live = self._live.pop(rid, None)
             if live is not None:
                 self._fail(live.stream, error)
@@ -370,7 +360,7 @@ class EngineThread:
     def _fail_all(self, error: ServingError) -> None:
         for rid, live in list(self._live.items()):
             self.engine.abort_request(rid)
-            self.engine.requests.pop(rid, None)
+            self.engine.forget(rid)
             self._fail(live.stream, error)
         self._live.clear()
 

@@ -10,6 +10,7 @@ Errors are ``{"error": {"message", "type", "code"}}`` with the HTTP status of
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -26,6 +27,8 @@ from serving.chat_template import render_chat
 from serving.context import ServingContext
 from serving.engine_thread import Delta, RequestStream
 from serving.errors import ServingError, Status
+
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is there
 
 
 class _SamplingFields(BaseModel):
@@ -120,7 +123,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
@@ -129,10 +132,10 @@ def build_app(ctx: ServingContext) -> FastAPI:
             prompt = prompt[0]
         if req.echo or req.logprobs:
             return _fail(ctx, Status.INVALID_ARGUMENT, "echo / logprobs are not supported")
-        return await _generate(ctx, req, prompt, chat=False)
+        return await _generate(ctx, req, prompt, chat=False, raw=raw)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> Response:
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         if req.max_completion_tokens is not None:
             req.max_tokens = req.max_completion_tokens
         try:
@@ -142,7 +145,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
             prompt = ctx.tokenizer.encode(text, add_special_tokens=False)
         except ValueError as e:
             return _fail(ctx, Status.INVALID_ARGUMENT, str(e))
-        return await _generate(ctx, req, prompt, chat=True)
+        return await _generate(ctx, req, prompt, chat=True, raw=raw)
 
     return app
 
@@ -162,7 +165,7 @@ def _fail(ctx: ServingContext, status: Status, message: str) -> JSONResponse:
 
 
 async def _generate(
-    ctx: ServingContext, req: _SamplingFields, prompt: str | list[int], chat: bool
+    ctx: ServingContext, req: _SamplingFields, prompt: str | list[int], chat: bool, raw: Request
 ) -> Response:
     try:
         params = req.sampling_params()
@@ -187,7 +190,7 @@ async def _generate(
         include_usage = bool((req.stream_options or {}).get("include_usage"))
         body = _stream_body(stream, first, meta, chat, include_usage)
         return StreamingResponse(body, media_type="text/event-stream")
-    return await _collect(stream, first, meta, chat)
+    return await _collect(stream, first, meta, chat, raw)
 
 
 def _choice(delta: Delta, chat: bool, streaming: bool, first: bool) -> dict[str, Any]:
@@ -244,11 +247,25 @@ async def _stream_body(
         stream.abort()  # client disconnected: free the slot (no-op when finished)
 
 
-async def _collect(stream: RequestStream, first: Delta, meta: dict, chat: bool) -> Response:
+async def _rest(stream: RequestStream, first: Delta) -> list[Delta]:
     deltas = [first]
+    while not deltas[-1].finished:
+        deltas.append(await anext(stream))
+    return deltas
+
+
+async def _collect(
+    stream: RequestStream, first: Delta, meta: dict, chat: bool, raw: Request
+) -> Response:
+    """Gather a whole completion; a client that disconnects meanwhile aborts the request."""
+    task = asyncio.ensure_future(_rest(stream, first))
     try:
-        while not deltas[-1].finished:
-            deltas.append(await anext(stream))
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await raw.is_disconnected():
+                task.cancel()
+                return Response(status_code=499)  # nobody is listening; the abort is below
+        deltas = task.result()
     except ServingError as e:
         return _error(e.status, e.message)
     finally:

@@ -6,12 +6,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from jbatch import LLM, SamplingParams
 from tests.compile_counter import count_compiles
 
 ENGINE = dict(
-    max_slots=4, page_size=8, num_pages=40, max_num_batched_tokens=64, max_seq_len=256, block_q=16
+    max_slots=4,
+    page_size=8,
+    num_pages=40,
+    max_num_batched_tokens=64,
+    max_seq_len=256,
+    block_q=16,
+    debug_checks=True,  # page/slot invariants after every step
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -262,4 +270,47 @@ def test_swap_preemption_and_prefix_cache_with_the_real_model(hf_checkpoint):
         assert_teacher_forced(model, prompt, out.outputs[0].token_ids)
     assert llm.engine.stats["swap_outs"] > 0
     assert llm.engine.scheduler.allocator.hits > 0
+    assert_drained(llm)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_policies_workload_equals_solo_runs_real_model(llama, data):
+    """Shared prefixes, priorities, a mid-run abort, recompute preemption in a small pool: every
+    finished request equals its solo run (greedy or seeded), and nothing leaks."""
+    llm, _ = llama
+    eng = llm.engine
+    rng = np.random.RandomState(data.draw(st.integers(0, 10_000)))
+    prefix = rng.randint(3, 384, 40).tolist()
+    n = data.draw(st.integers(3, 7))
+    prompts = [
+        (prefix if data.draw(st.booleans()) else [])
+        + rng.randint(3, 384, 1 + rng.randint(30)).tolist()
+        for _ in range(n)
+    ]
+    params = [
+        GREEDY.replace(max_tokens=int(rng.randint(1, 30)))
+        if data.draw(st.booleans())
+        else SamplingParams(
+            temperature=0.8, seed=int(rng.randint(1000)), max_tokens=12, ignore_eos=True
+        )
+        for _ in range(n)
+    ]
+    ids = [
+        eng.add_request(p, sp, priority=data.draw(st.integers(0, 2)))
+        for p, sp in zip(prompts, params)
+    ]
+    victim = data.draw(st.sampled_from(ids))
+    for _ in range(3):
+        eng.step()
+    eng.abort_request(victim)
+    while eng.has_unfinished_requests():
+        eng.step()
+    for rid, prompt, sp in zip(ids, prompts, params):
+        seq = eng.requests[rid]
+        if seq.finish_reason == "abort":
+            continue
+        solo = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+        assert seq.output_ids == solo
+    eng.forget_finished()
     assert_drained(llm)

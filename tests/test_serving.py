@@ -284,6 +284,25 @@ def test_http_client_disconnect_aborts(served):
     assert _cancelled_count(served) == before + 1
 
 
+def test_http_non_streaming_disconnect_aborts(served):
+    import socket
+    from urllib.parse import urlparse
+
+    before = _cancelled_count(served)
+    body = json.dumps(
+        {"prompt": [3, 4, 5], "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    ).encode()
+    url = urlparse(served.http)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        time.sleep(0.3)  # the request is running
+    assert_drained(served, timeout=5)
+    assert _cancelled_count(served) == before + 1
+
+
 # ---- errors -------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "request_kw, needle",

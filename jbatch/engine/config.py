@@ -27,6 +27,7 @@ class EngineConfig:
         its pages, prefill again later, mostly from the prefix cache), "swap" (copy its pages
         to host RAM and back), or "auto" (swap when recomputing would take more than one full
         step's token budget).
+    debug_checks: verify the scheduler's page and slot invariants after every step (slow).
     """
 
     max_slots: int = 8
@@ -41,6 +42,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     aging_steps: int = 64
     preemption_mode: str = "recompute"
+    debug_checks: bool = False
 
     def __post_init__(self):
         for name in (

@@ -158,6 +158,8 @@ class LLMEngine:
             outputs += self._process(*self._inflight.popleft())
         if not (dispatched or sched.swap_ins or self._inflight) and self.scheduler.running:
             self.scheduler.break_deadlock()  # prompts stuck without pages: free the newest
+        if self.cfg.debug_checks:
+            self.scheduler.check_invariants()
         self.stats["host_seconds"] += time.perf_counter() - t0
         return outputs
 
@@ -253,6 +255,33 @@ class LLMEngine:
         if new.preemption_mode != "recompute" and not self._swap_compiled:
             raise ValueError("build the engine with a swap-capable preemption_mode to switch to it")
         self.cfg, self.scheduler = new, Scheduler(new)
+
+    def reset(self, requeue_waiting: bool = True) -> list[str]:
+        """Recover from a failed step (its donated device state may be gone): build a fresh
+        state and scheduler. Requests that never reached the device are requeued (unless
+        ``requeue_waiting`` is False); every other unfinished request is dropped. Returns the
+        dropped request ids."""
+        self.state = self.core.init_state()
+        self._inflight.clear()
+        old, self.scheduler = self.scheduler, Scheduler(self.cfg)
+        pristine = [s for s in old.waiting if s.admitted_at < 0 and not s.inflight]
+        if requeue_waiting:
+            for seq in pristine:
+                self.scheduler.add(seq)
+        keep = {id(s) for s in pristine} if requeue_waiting else set()
+        dropped = []
+        for rid, seq in list(self.requests.items()):
+            if not seq.finished and id(seq) not in keep:
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+                del self.requests[rid]
+                dropped.append(rid)
+        return dropped
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's record."""
+        seq = self.requests.get(request_id)
+        if seq is not None and seq.finished:
+            del self.requests[request_id]
 
     def drain(self) -> None:
         """Wait for in-flight steps (used before inspecting device state in tests)."""
