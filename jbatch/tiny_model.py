@@ -25,8 +25,9 @@ def _corpus() -> list[str]:
     return [inspect.getsource(importlib.import_module(m)) for m in _CORPUS_MODULES]
 
 
-def write_tokenizer(directory: Path, vocab_size: int) -> None:
-    """Train a byte-level BPE of ``vocab_size`` tokens: <unk>=0, <s>=1, </s>=2."""
+def write_tokenizer(directory: Path, vocab_size: int, corpus: list[str] | None = None) -> None:
+    """Train a byte-level BPE of ``vocab_size`` tokens (<unk>=0, <s>=1, </s>=2) on ``corpus``
+    (default: some standard-library sources) and write tokenizer.json + tokenizer_config.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -38,9 +39,9 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
+    tok.train_from_iterator(_corpus() if corpus is None else corpus, trainer)
+    tok.save(str(Path(directory) / "tokenizer.json"))
+    (Path(directory) / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<s>", "eos_token": "</s>"})
     )
 

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from jbatch.tiny_model import write_tokenizer
+
 _BASE = dict(
     vocab_size=384,
     hidden_size=64,
@@ -56,23 +58,8 @@ CORPUS = (
 
 
 def save_tokenizer(directory: Path, vocab_size: int) -> None:
-    """A byte-level BPE trained on a fixed corpus, with <unk>=0, <s>=1, </s>=2."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([CORPUS], trainer)
-    tok.save(str(Path(directory) / "tokenizer.json"))
-    (Path(directory) / "tokenizer_config.json").write_text(
-        '{"bos_token": "<s>", "eos_token": "</s>"}'
-    )
+    """A byte-level BPE trained on CORPUS, with <unk>=0, <s>=1, </s>=2."""
+    write_tokenizer(Path(directory), vocab_size, [CORPUS])
 
 
 def make_checkpoint(name: str, directory: Path, seed: int = 0):
