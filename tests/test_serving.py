@@ -290,15 +290,21 @@ def test_http_non_streaming_disconnect_aborts(served):
 
     before = _cancelled_count(served)
     body = json.dumps(
-        {"prompt": [3, 4, 5], "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+        {"prompt": [3, 4, 5], "max_tokens": 250, "temperature": 0, "ignore_eos": True}
     ).encode()
     url = urlparse(served.http)
     with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-            b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         )
-        time.sleep(0.3)  # the request is running
+        # Close as soon as the request runs, long before its 250 tokens are done.
+        running = lambda: served.thread.call(lambda e: len(e.scheduler.running)).result(10)
+        for _ in range(500):
+            if running():
+                break
+            time.sleep(0.002)
+        assert running(), "the request never started"
     assert_drained(served, timeout=5)
     assert _cancelled_count(served) == before + 1
 
