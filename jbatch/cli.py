@@ -39,6 +39,15 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
             )
 
 
+def _model_dir(model: str | None) -> str:
+    """``--model``, or the built-in demo model when it is not given."""
+    if model is not None:
+        return model
+    from jbatch.demo import demo_model_path
+
+    return str(demo_model_path())
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
 
@@ -55,7 +64,9 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Generate completions with continuous batching.",
     )
     gen.add_argument("prompts", nargs="+", help="prompt strings")
-    gen.add_argument("--model", required=True, help="local Hugging Face checkpoint folder")
+    gen.add_argument(
+        "--model", help="local Hugging Face checkpoint folder (default: the built-in demo model)"
+    )
     gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
@@ -82,7 +93,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
         "/health, /metrics) over one engine. SIGTERM drains and exits 0.",
     )
-    srv.add_argument("--model", required=True, help="local Hugging Face checkpoint folder")
+    srv.add_argument(
+        "--model", help="local Hugging Face checkpoint folder (default: the built-in demo model)"
+    )
     srv.add_argument("--served-model-name", default=None, help="default: the folder name")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     srv.add_argument("--grpc-port", type=int, default=50051, help="0 = any free port")
@@ -124,6 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    args.model = _model_dir(args.model)
     config = ServeConfig(
         host=args.host,
         grpc_port=args.grpc_port,
@@ -184,7 +198,7 @@ def _generate(args: argparse.Namespace) -> int:
         **{name: getattr(args, name) for name in _SAMPLING_FLAGS},
     )
     t0 = time.perf_counter()
-    llm = LLM(args.model, **_engine_kwargs(args))
+    llm = LLM(_model_dir(args.model), **_engine_kwargs(args))
     print(f"[jbatch] engine ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     t0 = time.perf_counter()
     if args.stream:
