@@ -1,6 +1,6 @@
 """Train jbatch's built-in demo model: a small Llama on text every Python install carries.
 
-    python scripts/train_demo_model.py --steps 1000 --out jbatch/demo_model
+    python scripts/train_demo_model.py --steps 750 --out jbatch/demo_model
 
 ``--steps`` fixes the work (reproducible: same seed, same data order, same weights on the same
 versions); without it training runs for ``--minutes``. The shipped model's exact command and
@@ -127,7 +127,9 @@ def loss_fn(params, cfg, batch):
 
 
 def save_hf(params, cfg_dict: dict, out: Path) -> None:
-    bf16 = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
+    # C-contiguous: safetensors writes the raw buffer, so a transposed view would be saved
+    # with its rows and columns swapped.
+    bf16 = lambda a: np.ascontiguousarray(np.asarray(a, np.float32).astype(ml_dtypes.bfloat16))
     lp = params["layers"]
     tensors = {
         "model.embed_tokens.weight": bf16(params["embed"]),
@@ -159,17 +161,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="jbatch/demo_model")
     ap.add_argument("--steps", type=int, default=0, help="train exactly this many steps")
-    ap.add_argument("--minutes", type=float, default=22.0, help="time budget if --steps is 0")
+    ap.add_argument("--minutes", type=float, default=17.0, help="time budget if --steps is 0")
     ap.add_argument("--corpus-mb", type=float, default=30.0)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--mlp", type=int, default=768)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=192)
+    ap.add_argument("--mlp", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=4e-3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     out = Path(args.out)
