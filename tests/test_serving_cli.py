@@ -26,11 +26,11 @@ ENGINE_FLAGS = [
     "--page-size",
     "8",
     "--num-pages",
-    "32",
+    "80",
     "--max-num-batched-tokens",
     "16",
     "--max-seq-len",
-    "128",
+    "512",
     "--block-q",
     "16",
 ]
@@ -98,7 +98,9 @@ def test_serve_client_and_graceful_sigterm(server_process):
     metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
     assert 'jbatch_requests_total{finish_reason="length",status="ok"} 1.0' in metrics
 
-    long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    # Long enough that the drain is still under way while the refusals are checked: once the
+    # in-flight request finishes, the server exits and a new connection is simply refused.
+    long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
 
     async def drain_while_streaming():
         async with GenerationClient(target) as client:
@@ -109,14 +111,14 @@ def test_serve_client_and_graceful_sigterm(server_process):
                 if httpx.get(http + "/health").status_code == 503:
                     break
                 await asyncio.sleep(0.01)
+            r = httpx.post(http + "/v1/completions", json={"prompt": "hi"}, timeout=10)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await client.complete([5, 6, 7], long, timeout=10)
-            r = httpx.post(http + "/v1/completions", json={"prompt": "hi"}, timeout=10)
             rest = [resp async for resp in stream]
             return first, rest, info.value.code(), r.status_code
 
     first, rest, code, status = asyncio.run(drain_while_streaming())
     assert code == grpc.StatusCode.UNAVAILABLE and status == 503
-    assert sum(len(r.token_ids) for r in [first, *rest]) == 120, "in-flight request must finish"
+    assert sum(len(r.token_ids) for r in [first, *rest]) == 500, "in-flight request must finish"
     assert finish_reason_name(rest[-1]) == "length"
     assert proc.wait(60) == 0
