@@ -44,7 +44,7 @@ class Sequence:
     inflight: int = 0  # dispatched steps that sample for this sequence, not yet processed
     admitted_at: int = -1  # admission counter (preemption picks the most recent)
     arrival_order: int = 0  # FCFS tie-break among equal effective priorities
-    waiting_since: int = 0  # scheduler step at which the sequence (re)entered the queue
+    waiting_since: int = 0  # scheduler step at which the request arrived (its age counts from it)
     first_scheduled_step: int | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
     num_preemptions: int = 0

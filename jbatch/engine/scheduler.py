@@ -9,20 +9,22 @@ Per step, in this order:
 2. **Prompt chunks** of running sequences still prefilling, under the token budget
    (``max_num_batched_tokens`` minus the decodes) and the largest row bucket.
 3. **Admission** — waiting sequences take free slots while budget and pages remain, in order of
-   effective priority (``priority`` minus one per ``aging_steps`` waited; lower first), FCFS
-   within a priority. Full prompt pages already in the prefix cache are reused, not recomputed;
-   the rest is prefilled in chunks, so a long prompt never blocks decodes.
+   effective priority (``priority`` minus one per ``aging_steps`` waited since arrival; lower
+   first), FCFS within a priority; a preempted sequence keeps its place (a heap:
+   ``waiting_queue.py``). Full prompt pages already in the prefix cache are reused, not
+   recomputed; the rest is prefilled in chunks, so a long prompt never blocks decodes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections import deque
 
 from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.page_allocator import PageAllocator, page_hashes
 from jbatch.engine.request import SeqStatus, Sequence
+from jbatch.engine.waiting_queue import WaitingQueue
 
 
 @dataclasses.dataclass
@@ -61,7 +63,7 @@ class Scheduler:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.allocator = PageAllocator(cfg.num_pages, cfg.enable_prefix_caching)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue(cfg.aging_steps)
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.free_slots: list[int] = list(range(cfg.max_slots))
         self.pending_releases: list[int] = []  # slots of finished sequences, to retire on device
@@ -74,7 +76,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.arrival_order, self._arrivals = self._arrivals, self._arrivals + 1
         seq.waiting_since = self.num_steps
-        self.waiting.append(seq)
+        self.waiting.push(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         """Retire ``seq``: its slot and pages return at once (the device retires the slot before
@@ -114,8 +116,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        seq.waiting_since = self.num_steps
-        self.waiting.appendleft(seq)
+        self.waiting.push(seq)  # keeps its arrival step: back at the front of its priority
 
     @property
     def has_work(self) -> bool:
@@ -221,24 +222,18 @@ class Scheduler:
         out.prompt_rows += used
         return budget - n, rows - used
 
-    def effective_priority(self, seq: Sequence) -> tuple[int, int]:
-        """Sort key of the waiting queue: aged priority, then arrival (FCFS)."""
-        aged = seq.priority
-        if self.cfg.aging_steps:
-            aged -= (self.num_steps - seq.waiting_since) // self.cfg.aging_steps
-        return aged, seq.arrival_order
-
     def _admit(self, out: SchedulerOutput, budget: int, rows: int) -> None:
-        if not self.waiting:
+        if not self.free_slots:
             return
-        # Sequences still owed tokens from a step in flight, or preempted this very step, wait.
-        queue = sorted(
-            (s for s in self.waiting if not s.inflight and s.preempted_at != self.num_steps),
-            key=self.effective_priority,
-        )
+        with contextlib.closing(self.waiting.in_order()) as queue:
+            self._admit_from(queue, out, budget, rows)
+
+    def _admit_from(self, queue, out: SchedulerOutput, budget: int, rows: int) -> None:
         for seq in queue:
             if not (self.free_slots and budget > 0 and rows >= self.cfg.block_q):
                 break
+            if seq.inflight or seq.preempted_at == self.num_steps:
+                continue  # still owed tokens from the step in flight, or evicted just now
             if seq.swapped_pages:
                 if self.allocator.num_free < seq.swapped_pages:
                     break  # the head of the queue waits for pages; nobody overtakes it
