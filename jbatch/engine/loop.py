@@ -188,6 +188,9 @@ class LLMEngine:
             return False
         self.stats["steps"] += 1
         self.stats["decode_rows"] += len(sched.decodes)
+        if self.scheduler.waiting:  # slot utilization while requests queue for a slot
+            self.stats["steps_while_queued"] += 1
+            self.stats["busy_slots_while_queued"] += len(self.scheduler.running)
         self.stats["prompt_tokens"] += sum(len(c.token_ids) for c in sched.chunks)
         return True
 
