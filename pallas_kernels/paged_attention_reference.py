@@ -58,8 +58,11 @@ def paged_attention_reference(
     *,
     sliding_window: int | None = None,
     scale: float | None = None,
+    soft_cap: float | None = None,
 ) -> Float[Array, "n bq h d"]:
-    """Attention of query blocks over their sequences' whole page lists (plainly correct, slow)."""
+    """Attention of query blocks over their sequences' whole page lists (plainly correct, slow).
+
+    ``soft_cap`` (Gemma-2 style) squashes logits to ``cap * tanh(logit / cap)`` before masking."""
     n, bq, h, d = q.shape
     kvh = k_pages.shape[2]
     g = h // kvh
@@ -75,6 +78,8 @@ def paged_attention_reference(
     v = jnp.where(live[:, :, None, None], v, 0)
     qg = q.reshape(n, bq, kvh, g, d).astype(jnp.float32)  # [N, Bq, KVH, G, D]
     s = jnp.einsum("nbkgd,nckd->nkgbc", qg, k.astype(jnp.float32)) * scale  # [N, KVH, G, Bq, C]
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(mask[:, None, None], s, _NEG)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(mask[:, None, None], jnp.exp(s - m), 0.0)

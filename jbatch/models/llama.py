@@ -26,7 +26,7 @@ from jaxtyping import Array, Float, Int
 
 from jbatch.models.config import ModelConfig, rope_inv_freq
 from jbatch.models.kv_cache import KVCache, write_layer, write_locations
-from pallas_kernels import paged_attention
+from pallas_kernels import PALLAS_IMPLS, paged_attention, paged_attention_rows, resolve_impl
 
 Params = dict
 
@@ -74,6 +74,28 @@ def _attention(
 ) -> Float[Array, "t h d"]:
     t, h, d = q.shape
     kp, vp = cache.k[layer], cache.v[layer]  # [P, S, KVH, D] each
+    impl = resolve_impl(impl, q, kp)
+    if impl in PALLAS_IMPLS:
+        # One ragged kernel call: every decode row and every prompt block is its own entry.
+        num_blocks = (t - num_decode) // block_q
+        row_entry = np.concatenate(
+            [np.arange(num_decode), num_decode + np.repeat(np.arange(num_blocks), block_q)]
+        ).astype(np.int32)  # [T] static
+        entry_rows = np.concatenate(
+            [np.arange(num_decode), num_decode + block_q * np.arange(num_blocks)]
+        ).astype(np.int32)  # [E] first row of each entry (static)
+        entry_slots = jnp.clip(slots[entry_rows], 0, page_tables.shape[0] - 1)  # [E]
+        return paged_attention_rows(
+            q,
+            kp,
+            vp,
+            jnp.asarray(row_entry),
+            page_tables[entry_slots],
+            positions,
+            sliding_window=sliding_window,
+            max_query_len=block_q if num_blocks else 1,
+            interpret=impl == "pallas_interpret",
+        )
     outs = []
     if num_decode:
         o = paged_attention(
@@ -115,8 +137,13 @@ def forward(
     num_decode: int,
     block_q: int = 1,
     attn_impl: str = "auto",
+    attention=None,
 ) -> tuple[Float[Array, "t e"], KVCache]:
-    """Run the decoder over a flat token batch; returns final-norm hidden states and the pool."""
+    """Run the decoder over a flat token batch; returns final-norm hidden states and the pool.
+
+    ``attention`` replaces the per-layer attention call (same arguments as ``_attention``);
+    tensor parallelism passes a ``shard_map`` of it (``jbatch.parallel.attention``)."""
+    attend = _attention if attention is None else attention
     t = tokens.shape[0]
     if num_decode > t or (t - num_decode) % block_q:
         raise ValueError(
@@ -137,7 +164,7 @@ def forward(
         v = _linear(xn, layers, "wv", "bv", i).reshape(t, kvh, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache = write_layer(cache, i, k, v, pages, offsets)
-        attn = _attention(
+        attn = attend(
             q,
             cache,
             i,
