@@ -14,14 +14,38 @@ This file imports nothing from jbatch at module level, so vLLM's venv can run it
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import resource
 import sys
 import time
+from pathlib import Path
 
 
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident memory of this process plus its live descendants (vLLM runs its engine
+    core in a child process), from each one's ``VmHWM`` in /proc; getrusage where no /proc."""
+    try:
+        parents = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        tree, frontier = {os.getpid()}, [os.getpid()]
+        while frontier:
+            parent = frontier.pop()
+            kids = [p for p, pp in parents.items() if pp == parent and p not in tree]
+            tree.update(kids)
+            frontier += kids
+        total_kb = 0
+        for pid in tree:
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        total_kb += int(line.split()[1])
+        return total_kb / 1024
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class JbatchRunner:
