@@ -39,6 +39,27 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
             )
 
 
+def _add_distributed_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "multi-host (jax.distributed; run the same command on every host)"
+    )
+    group.add_argument(
+        "--multihost", action="store_true", help="join a multi-process run; with no other "
+        "flag JAX auto-detects it (Cloud TPU pod slices, SLURM, Open MPI)"
+    )  # fmt: skip
+    group.add_argument("--coordinator-address", default=None, help="host:port of process 0")
+    group.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+    group.add_argument("--process-id", type=int, default=None, help="this process's index")
+
+
+def _maybe_initialize_distributed(args: argparse.Namespace) -> None:
+    flags = ("multihost", "coordinator_address", "num_processes")
+    if any(getattr(args, f, None) for f in flags):
+        from jbatch.parallel.distributed import initialize
+
+        initialize(args.coordinator_address, args.num_processes, args.process_id)
+
+
 def _model_dir(model: str | None) -> str:
     """``--model``, or the built-in demo model when it is not given."""
     if model is not None:
@@ -73,6 +94,7 @@ def _build_parser() -> argparse.ArgumentParser:
     for name, (kind, default, text) in _SAMPLING_FLAGS.items():
         gen.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
     _add_engine_flags(gen)
+    _add_distributed_flags(gen)
 
     tiny = sub.add_parser(
         "make-tiny-model",
@@ -113,6 +135,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "on SIGTERM before they are aborted"
     )  # fmt: skip
     _add_engine_flags(srv)
+    _add_distributed_flags(srv)
 
     cli = sub.add_parser(
         "client",
@@ -224,6 +247,7 @@ def _generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
+        _maybe_initialize_distributed(args)
         if args.command == "generate":
             return _generate(args)
         if args.command == "serve":

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from jbatch.checkpoint import load_generation_config, load_model
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.loop import LLMEngine
+from jbatch.models.config import ModelConfig
 from jbatch.outputs import RequestOutput
 from jbatch.sampling_params import SamplingParams
 from jbatch.tokenizer import Tokenizer
@@ -24,6 +25,8 @@ class LLM:
 
     ``LLM(model_dir, max_slots=8, page_size=16, num_pages=512, max_num_batched_tokens=256,
     max_seq_len=2048, dtype="float32")``; any :class:`EngineConfig` field is a keyword.
+    ``tp``/``dp`` > 1 shard the model over ``tp`` devices per replica and run ``dp`` replicas
+    (``self.engine`` is then a :class:`jbatch.parallel.ReplicaRouter` when ``dp > 1``).
     """
 
     def __init__(self, model: str | Path, *, warmup: bool = True, **engine_kwargs):
@@ -32,7 +35,9 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; valid: {sorted(fields)}")
         self.config = EngineConfig(**engine_kwargs)
-        model_cfg, params = load_model(model, dtype=self.config.dtype)
+        if not Path(model).is_dir():
+            raise FileNotFoundError(f"{model}: model directory not found")
+        model_cfg = ModelConfig.from_file(Path(model) / "config.json")
         if self.config.max_seq_len > model_cfg.max_position_embeddings:
             raise ValueError(
                 f"max_seq_len={self.config.max_seq_len} exceeds the model's "
@@ -43,6 +48,15 @@ class LLM:
         eos = set(gen.eos_token_ids) | set(model_cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
+        if self.config.tp * self.config.dp > 1:
+            from jbatch.parallel.engines import build_engine
+
+            self.engine = build_engine(
+                model_cfg, self.config, model_dir=model, tokenizer=tokenizer,
+                eos_token_ids=sorted(eos), warmup=warmup,
+            )  # fmt: skip
+            return
+        _, params = load_model(model, dtype=self.config.dtype)
         self.engine = LLMEngine(model_cfg, params, self.config, tokenizer, sorted(eos), warmup)
 
     @property

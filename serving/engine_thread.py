@@ -379,4 +379,5 @@ class EngineThread:
         with self._lock:
             self._running = len(sched.running)
             waiting = self._outstanding - self._running
-        self.metrics.observe_engine(sched, self.engine.cfg.max_slots, waiting)
+        slots = getattr(self.engine, "total_slots", self.engine.cfg.max_slots)  # dp: all replicas
+        self.metrics.observe_engine(sched, slots, waiting)

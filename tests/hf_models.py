@@ -49,6 +49,29 @@ VARIANTS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=12, head_dim=32)),
 }
 
+# Variants for tensor-parallel tests (8 query heads, so tp in {1, 2, 4, 8} divides them): KV
+# heads replicated over shards (llama: 2 KV heads), split then replicated at tp=8 (qwen2: 4, with
+# q/k/v biases and tied embeddings), always split (mistral: 8, sliding window).
+PARALLEL_VARIANTS = {
+    "llama_tp": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=8)),
+    "qwen2_tp": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(tie_word_embeddings=True, num_attention_heads=8, num_key_value_heads=4),
+    ),
+    "mistral_tp": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(
+            sliding_window=6,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            num_hidden_layers=1,
+            head_dim=16,
+        ),
+    ),
+}
+
 
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. Continuous batching keeps every slot busy. "
@@ -64,7 +87,7 @@ def save_tokenizer(directory: Path, vocab_size: int) -> None:
 
 def make_checkpoint(name: str, directory: Path, seed: int = 0):
     """Save a random-weight model of variant ``name`` into ``directory``; return the torch model."""
-    cfg_cls, model_cls, overrides = VARIANTS[name]
+    cfg_cls, model_cls, overrides = {**VARIANTS, **PARALLEL_VARIANTS}[name]
     torch.manual_seed(seed)
     cfg = getattr(transformers, cfg_cls)(**{**_BASE, **overrides})
     cfg._attn_implementation = "eager"

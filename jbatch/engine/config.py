@@ -28,6 +28,8 @@ class EngineConfig:
         to host RAM and back), or "auto" (swap when recomputing would take more than one full
         step's token budget).
     debug_checks: verify the scheduler's page and slot invariants after every step (slow).
+    tp: tensor parallelism — devices one engine replica's model and KV pool are split over.
+    dp: data parallelism — engine replicas (each on its own ``tp`` devices) behind one router.
     """
 
     max_slots: int = 8
@@ -43,6 +45,8 @@ class EngineConfig:
     aging_steps: int = 64
     preemption_mode: str = "recompute"
     debug_checks: bool = False
+    tp: int = 1
+    dp: int = 1
 
     def __post_init__(self):
         for name in (
@@ -52,6 +56,8 @@ class EngineConfig:
             "max_num_batched_tokens",
             "max_seq_len",
             "block_q",
+            "tp",
+            "dp",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int32
 
 from jbatch.engine import buckets, swap
@@ -168,8 +170,15 @@ def step(
     model_cfg: ModelConfig,
     block_q: int,
     attn_impl: str = "auto",
+    logits_shardings: tuple[jax.sharding.Sharding, ...] = (),
+    attention=None,
 ) -> tuple[EngineState, StepOutput]:
-    """One model pass over decode rows + prompt-chunk rows, then sampling (see module doc)."""
+    """One model pass over decode rows + prompt-chunk rows, then sampling (see module doc).
+
+    ``attention`` replaces the model's attention call (tensor parallelism: per shard);
+    ``logits_shardings`` (tensor parallelism): constrain the logits to each in turn — vocab-split
+    as the LM head makes them, then replicated — so only ``[slots, vocab]`` logits are gathered
+    (never the LM head) and the sampler runs whole rows on every shard."""
     s = state.max_slots
     slot_ids = jnp.arange(s, dtype=jnp.int32)
     page_tables = state.page_tables.at[batch.write_slots, batch.write_index].set(
@@ -192,6 +201,7 @@ def step(
         num_decode=s,
         block_q=block_q,
         attn_impl=attn_impl,
+        attention=attention,
     )
 
     # Penalty statistics: prompt rows mark the prompt mask, re-fed outputs (resume) count.
@@ -209,6 +219,8 @@ def step(
     sample_row = slot_ids.at[jnp.where(completes, p_slot, s)].set(rows, mode="drop")
     sampled = decode.at[jnp.where(completes, p_slot, s)].set(True, mode="drop")
     logits = compute_logits(params, hidden[sample_row])  # [S, V]
+    for sharding in logits_shardings:
+        logits = jax.lax.with_sharding_constraint(logits, sharding)
     new_tok, logprobs = sample(logits, state.sampling, state.num_generated, prompt_mask, counts)
 
     seq_lens = jnp.where(decode, state.seq_lens + 1, state.seq_lens)
@@ -228,15 +240,29 @@ def step(
 
 @dataclasses.dataclass
 class EngineCore:
-    """The device functions jitted once for one (model, engine config), state donated."""
+    """The device functions jitted once for one (model, engine config), state donated.
+
+    With a ``mesh`` (a ``(1, tp)`` mesh of :mod:`jbatch.parallel`) the same functions are jitted
+    with explicit in/out shardings: the KV pool split over KV heads, every other state field and
+    every host input replicated; params (placed as :func:`jbatch.parallel.sharding.param_specs`
+    says) keep their own shardings. XLA's
+    SPMD partitioner splits the matmuls; attention runs per shard under ``shard_map``
+    (:mod:`jbatch.parallel.attention`). ``model_cfg`` is then the sharded model's config (KV
+    heads replicated when ``tp`` exceeds them).
+    """
 
     model_cfg: ModelConfig
     cfg: EngineConfig
+    mesh: Mesh | None = None
 
     def __post_init__(self):
         step_fn = functools.partial(
             step, model_cfg=self.model_cfg, block_q=self.cfg.block_q, attn_impl=self.cfg.attn_impl
         )
+        self.host = jax.devices("cpu")[0]
+        if self.mesh is not None:
+            self._jit_sharded(step_fn)
+            return
         self.step = jax.jit(step_fn, donate_argnums=1)
         self.insert = jax.jit(insert, donate_argnums=0)
         self.release = jax.jit(release, donate_argnums=0)
@@ -246,19 +272,63 @@ class EngineCore:
         # (a placement change would be a new cache key: a recompile). Swapped-out sequences
         # wait in host RAM.
         self.device = jax.devices()[0]
-        self.host = jax.devices("cpu")[0]
+        self._init = lambda: jax.device_put(init_state(self.model_cfg, self.cfg), self.device)
+        self.swapped_sharding = self.device
+
+    def _jit_sharded(self, step_fn) -> None:
+        from jbatch.checkpoint import expected_param_shapes
+        from jbatch.parallel.attention import sharded_attention
+        from jbatch.parallel.sharding import param_shardings, replicated, state_shardings
+
+        mesh, rep = self.mesh, replicated(self.mesh)
+        self.device = rep
+        init = functools.partial(init_state, self.model_cfg, self.cfg)
+        st = state_shardings(mesh, jax.eval_shape(init))
+        pages = self.unused_pages()
+        saved = state_shardings(mesh, jax.eval_shape(lambda: swap.swap_out(init(), 0, pages)[1]))
+        self.param_shardings = param_shardings(mesh, expected_param_shapes(self.model_cfg))
+        self.state_shardings, self.swapped_sharding = st, saved
+        head = self.param_shardings.get("lm_head", self.param_shardings["embed"])
+        vocab_split = NamedSharding(mesh, P(None, *head.spec[:1]))  # the logits' [S, V] split
+        self._init = jax.jit(init, out_shardings=st)
+        self.step = jax.jit(
+            functools.partial(
+                step_fn, logits_shardings=(vocab_split, rep), attention=sharded_attention(mesh)
+            ),
+            # Params keep the shardings they were placed with (``param_specs``; whatever their
+            # layout), the state and every host input are pinned.
+            in_shardings=(None, st, rep),
+            out_shardings=(st, rep),
+            donate_argnums=1,
+        )
+        self.insert = jax.jit(insert, in_shardings=(st, rep), out_shardings=st, donate_argnums=0)
+        self.release = jax.jit(release, in_shardings=(st, rep), out_shardings=st, donate_argnums=0)
+        self.swap_out = jax.jit(
+            swap.swap_out, in_shardings=(st, rep, rep), out_shardings=(st, saved), donate_argnums=0
+        )
+        self.swap_in = jax.jit(
+            swap.swap_in, in_shardings=(st, rep, rep, saved), out_shardings=st, donate_argnums=0
+        )
+        if jax.process_count() > 1:  # the host reads its own copy of the replicated outputs
+            sharded_step = self.step
+            local = lambda a: a.addressable_shards[0].data
+            self.step = lambda *args: _map_second(sharded_step(*args), local)
 
     def unused_pages(self) -> np.ndarray:
         """A page list of only padding (``num_pages``), the shape swap functions take."""
         return np.full(self.cfg.max_pages_per_seq, self.cfg.num_pages, np.int32)
 
     def init_state(self) -> EngineState:
-        return jax.device_put(init_state(self.model_cfg, self.cfg), self.device)
+        return self._init()
 
     def to_host(self, saved: swap.SwappedSlot) -> swap.SwappedSlot:
+        if self.mesh is not None:  # each local shard to host RAM (no gather, no compile)
+            return jax.tree.map(_HostShards.of, saved)
         return saved if self.host == self.device else jax.device_put(saved, self.host)
 
     def to_device(self, saved: swap.SwappedSlot) -> swap.SwappedSlot:
+        if self.mesh is not None:
+            return jax.tree.map(lambda h, s: h.to_device(s), saved, self.swapped_sharding)
         return jax.device_put(saved, self.device)
 
     def empty_insert(self) -> SlotInsert:
@@ -270,9 +340,31 @@ class EngineCore:
         state = self.release(state, np.zeros(self.cfg.max_slots, bool))
         if self.cfg.preemption_mode != "recompute":
             state, saved = self.swap_out(state, np.int32(0), self.unused_pages())
+            saved = self.to_device(self.to_host(saved))  # the round trip a swap makes
             state = self.swap_in(state, np.int32(0), self.unused_pages(), saved)
             state = self.release(state, np.ones(self.cfg.max_slots, bool))
         for rows in buckets.prefill_buckets(self.cfg):
             state, out = self.step(params, state, StepBatch.empty(self.cfg, rows))
         jax.block_until_ready(out)
         return state
+
+
+def _map_second(pair, fn):
+    first, second = pair
+    return first, jax.tree.map(fn, second)
+
+
+@dataclasses.dataclass
+class _HostShards:
+    """A sharded array's process-local shards in host RAM (one swapped-out KV buffer or row)."""
+
+    shape: tuple[int, ...]
+    shards: list[tuple[jax.Device, np.ndarray]]
+
+    @classmethod
+    def of(cls, a: jax.Array) -> _HostShards:
+        return cls(a.shape, [(s.device, np.asarray(s.data)) for s in a.addressable_shards])
+
+    def to_device(self, sharding: NamedSharding) -> jax.Array:
+        bufs = [jax.device_put(x, d) for d, x in self.shards]
+        return jax.make_array_from_single_device_arrays(self.shape, sharding, bufs)

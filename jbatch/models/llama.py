@@ -55,9 +55,29 @@ def apply_rope(
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def _linear(x, layers: Params, w: str, b: str, i: int):
-    y = x @ layers[w][i]
-    return y + layers[b][i] if b in layers else y
+def _linear(x, layer: Params, w: str, b: str):
+    y = x @ layer[w]
+    return y + layer[b] if b in layer else y
+
+
+def layer_params(layers: Params | tuple[Params, ...], i: int) -> Params:
+    """Layer ``i``'s weights, from stacked ``{name: [L, ...]}`` or per-layer ``({name: ...},)``."""
+    if isinstance(layers, (tuple, list)):
+        return layers[i]
+    return {name: w[i] for name, w in layers.items()}
+
+
+def unstack_layers(params: Params) -> Params:
+    """The same params with ``layers`` as a tuple of per-layer dicts (call once, outside jit).
+
+    The checkpoint layout stacks each weight over layers (``[L, ...]``), but inside a jitted
+    step XLA CPU copies every ``w[i]`` slice before its matmul — a full pass over the weights per
+    step. Separate per-layer arrays are read in place (same reason the KV pool is per layer)."""
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):
+        return params
+    num_layers = len(next(iter(layers.values())))
+    return {**params, "layers": tuple(layer_params(layers, i) for i in range(num_layers))}
 
 
 def _attention(
@@ -158,10 +178,11 @@ def forward(
         page_tables, slots, positions, cache.page_size, cache.num_pages
     )
     for i in range(cfg.num_layers):
-        xn = rms_norm(x, layers["attn_norm"][i], cfg.rms_norm_eps)
-        q = _linear(xn, layers, "wq", "bq", i).reshape(t, h_, d)
-        k = _linear(xn, layers, "wk", "bk", i).reshape(t, kvh, d)
-        v = _linear(xn, layers, "wv", "bv", i).reshape(t, kvh, d)
+        lp = layer_params(layers, i)
+        xn = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        q = _linear(xn, lp, "wq", "bq").reshape(t, h_, d)
+        k = _linear(xn, lp, "wk", "bk").reshape(t, kvh, d)
+        v = _linear(xn, lp, "wv", "bv").reshape(t, kvh, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache = write_layer(cache, i, k, v, pages, offsets)
         attn = attend(
@@ -176,11 +197,11 @@ def forward(
             cfg.sliding_windows[i],
             attn_impl,
         )
-        x = x + _linear(attn.reshape(t, h_ * d), layers, "wo", "bo", i)
-        xn = rms_norm(x, layers["mlp_norm"][i], cfg.rms_norm_eps)
-        gate = _linear(xn, layers, "w_gate", "b_gate", i)
-        up = _linear(xn, layers, "w_up", "b_up", i)
-        x = x + _linear(jax.nn.silu(gate) * up, layers, "w_down", "b_down", i)
+        x = x + _linear(attn.reshape(t, h_ * d), lp, "wo", "bo")
+        xn = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+        gate = _linear(xn, lp, "w_gate", "b_gate")
+        up = _linear(xn, lp, "w_up", "b_up")
+        x = x + _linear(jax.nn.silu(gate) * up, lp, "w_down", "b_down")
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
 
 
