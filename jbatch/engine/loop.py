@@ -31,6 +31,7 @@ from jbatch.engine.core import EngineCore, StepOutput
 from jbatch.engine.request import SeqStatus, Sequence
 from jbatch.engine.scheduler import Scheduler, SchedulerOutput
 from jbatch.models.config import ModelConfig
+from jbatch.models.llama import unstack_layers
 from jbatch.outputs import CompletionOutput, RequestOutput
 from jbatch.sampling_params import SamplingParams
 from jbatch.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -48,9 +49,12 @@ class LLMEngine:
         core=None,
     ):
         """``core`` replaces the jitted device functions (tests pass a ``MockCore``)."""
-        self.model_cfg, self.params, self.cfg, self.tokenizer = model_cfg, params, cfg, tokenizer
+        self.model_cfg, self.cfg, self.tokenizer = model_cfg, cfg, tokenizer
         self.eos_ids = frozenset(eos_token_ids)
         self.core = EngineCore(model_cfg, cfg) if core is None else core
+        if params is not None and getattr(self.core, "mesh", None) is None:
+            params = unstack_layers(params)  # one device: per-layer arrays, read in place
+        self.params = params
         self.state = self.core.init_state()
         self._swap_compiled = cfg.preemption_mode != "recompute"
         if warmup:
