@@ -19,7 +19,9 @@ class EngineConfig:
     max_num_batched_tokens: token budget of one step (decode tokens + prompt-chunk tokens).
     max_seq_len: longest sequence (prompt + output) a slot may hold.
     block_q: prompt chunks are laid out in blocks of this many query rows (one sequence a block).
-    attn_impl: paged attention implementation ("auto" picks the fastest on the backend).
+    attn_impl: paged attention implementation: "auto" (the Pallas kernel on GPU, XLA
+        elsewhere), "xla", "reference", "pallas", or "pallas_interpret" (the kernel in Pallas
+        interpret mode: CPU tests).
     enable_prefix_caching: reuse full KV pages of identical prompt prefixes across requests.
     aging_steps: a waiting request's priority improves by one every this many steps (0 = no
         aging: strict priority, FCFS within a priority).
