@@ -13,7 +13,7 @@ from jbatch import LLM, SamplingParams
 from tests.compile_counter import count_compiles
 
 ENGINE = dict(
-    max_slots=4,
+    max_slots=32,  # decode buckets 8 and 32: steps with few busy slots run compacted
     page_size=8,
     num_pages=40,
     max_num_batched_tokens=64,

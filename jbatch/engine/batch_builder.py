@@ -45,7 +45,9 @@ def build_insert(cfg: EngineConfig, seqs: list[Sequence]) -> SlotInsert:
 
 def build_step(cfg: EngineConfig, out: SchedulerOutput) -> StepBatch:
     rows = buckets.pick_bucket(cfg, out.prompt_rows)
-    batch = StepBatch.empty(cfg, rows)
+    batch = StepBatch.empty(cfg, rows, buckets.pick_decode_bucket(cfg, len(out.decodes)))
+    batch.decode_slots[:] = cfg.max_slots  # padding; the decoding slots first
+    batch.decode_slots[: len(out.decodes)] = [seq.slot for seq in out.decodes]
     r = 0
     for chunk in out.chunks:
         n = len(chunk.token_ids)

@@ -1,9 +1,11 @@
 """The compiled shapes of ``step``, defined in one place.
 
-A step's token buffer is ``max_slots`` decode rows (row i = slot i) followed by a prompt-chunk
-region of ``rows`` rows, ``rows`` taken from :func:`prefill_buckets`. Each bucket is one compiled
-program; warm-up compiles them all, so nothing compiles while serving. The context length is not
-a bucket: attention walks the page tables with a traced trip count.
+A step's token buffer is ``decode_rows`` decode rows (the decoding slots, compacted, padding at
+the end) followed by a prompt-chunk region of ``rows`` rows; ``decode_rows`` comes from
+:func:`decode_buckets` (so a step with 2 busy slots of 32 does not pay for 32) and ``rows`` from
+:func:`prefill_buckets`. Each (decode bucket, prefill bucket) pair is one compiled program;
+warm-up compiles them all, so nothing compiles while serving. The context length is not a
+bucket: attention walks the page tables with a traced trip count.
 """
 
 from __future__ import annotations
@@ -28,6 +30,20 @@ def pick_bucket(cfg: EngineConfig, rows: int) -> int:
         if b >= rows:
             return b
     raise ValueError(f"{rows} prompt rows exceed the largest bucket {prefill_buckets(cfg)[-1]}")
+
+
+def decode_buckets(cfg: EngineConfig) -> tuple[int, ...]:
+    """Decode row counts: ``max_slots``, then quarters of it while at least 8 rows."""
+    sizes, d = [cfg.max_slots], cfg.max_slots // 4
+    while d >= 8:
+        sizes.append(d)
+        d //= 4
+    return tuple(sorted(sizes))
+
+
+def pick_decode_bucket(cfg: EngineConfig, decodes: int) -> int:
+    """Smallest decode bucket holding ``decodes`` rows."""
+    return next(b for b in decode_buckets(cfg) if b >= decodes)
 
 
 def max_page_writes(cfg: EngineConfig) -> int:

@@ -6,8 +6,9 @@ the pure functions inside their own ``jax.jit`` / ``lax.scan`` (see ``tests/test
 
 One step:
 1. apply page-table writes (pages the host allocated for this step);
-2. build the token buffer: ``max_slots`` decode rows (slot i decodes its last token at position
-   ``seq_lens[i]`` if ``decode_mask[i]``) followed by the prompt-chunk rows from the host;
+2. build the token buffer: one decode row per slot in ``batch.decode_slots`` (a decode bucket;
+   the slot decodes its last token at position ``seq_lens[slot]`` if ``decode_mask[slot]``)
+   followed by the prompt-chunk rows from the host;
 3. run the model, scattering K/V into the pool and attending through the page tables;
 4. sample one token for every slot that decoded or finished its prompt this step;
 5. advance lengths, counters, and penalty statistics.
@@ -76,11 +77,22 @@ class StepBatch:
     write_slots: Int32[Array, " writes"]
     write_index: Int32[Array, " writes"]
     write_pages: Int32[Array, " writes"]
+    # Slots that may decode this step, padded with ``max_slots``; a slot decodes iff it is
+    # listed here and ``decode_mask`` holds for it. Its length is a decode bucket.
+    decode_slots: Int32[Array, " decode_rows"]
 
     @classmethod
-    def empty(cls, cfg: EngineConfig, rows: int = 0) -> StepBatch:
-        """A batch with ``rows`` padding chunk rows and no page writes (decode only)."""
-        w = buckets.max_page_writes(cfg)
+    def empty(cls, cfg: EngineConfig, rows: int = 0, decode_rows: int | None = None) -> StepBatch:
+        """A batch with ``rows`` padding chunk rows and no page writes. ``decode_rows`` =
+        ``max_slots`` (the default) lists every slot, so each slot whose ``decode_mask`` holds
+        decodes; a smaller decode bucket starts with only padding (fill ``decode_slots``)."""
+        w, s = buckets.max_page_writes(cfg), cfg.max_slots
+        decode_rows = s if decode_rows is None else decode_rows
+        if decode_rows not in buckets.decode_buckets(cfg):
+            raise ValueError(
+                f"decode_rows={decode_rows} is not a decode bucket {buckets.decode_buckets(cfg)}"
+            )
+        decode_slots = np.arange(s, dtype=np.int32) if decode_rows == s else np.full(decode_rows, s)
         return cls(
             prefill_tokens=np.zeros(rows, np.int32),
             prefill_slots=np.zeros(rows, np.int32),
@@ -88,6 +100,7 @@ class StepBatch:
             write_slots=np.full(w, cfg.max_slots, np.int32),
             write_index=np.zeros(w, np.int32),
             write_pages=np.zeros(w, np.int32),
+            decode_slots=decode_slots.astype(np.int32),
         )
 
 
@@ -184,12 +197,17 @@ def step(
     page_tables = state.page_tables.at[batch.write_slots, batch.write_index].set(
         batch.write_pages, mode="drop"
     )
-    decode = state.decode_mask  # [S]
+    ds = batch.decode_slots  # [Bd] decode rows' slots, padding = S
+    bd = ds.shape[0]
+    ds_c = jnp.clip(ds, 0, s - 1)  # [Bd]
+    listed = jnp.zeros(s, bool).at[ds].set(True, mode="drop")  # [S]
+    decode = state.decode_mask & listed  # [S]
+    row_decodes = (ds < s) & decode[ds_c]  # [Bd]
     p_pos, p_slot = batch.prefill_positions, batch.prefill_slots  # [R]
     p_valid = p_pos >= 0
-    tokens = jnp.concatenate([state.tokens, batch.prefill_tokens])  # [S + R]
-    positions = jnp.concatenate([jnp.where(decode, state.seq_lens, -1), p_pos])
-    slots = jnp.concatenate([slot_ids, p_slot])
+    tokens = jnp.concatenate([state.tokens[ds_c], batch.prefill_tokens])  # [Bd + R]
+    positions = jnp.concatenate([jnp.where(row_decodes, state.seq_lens[ds_c], -1), p_pos])
+    slots = jnp.concatenate([ds_c, p_slot])
     hidden, cache = forward(
         params,
         model_cfg,
@@ -198,7 +216,7 @@ def step(
         positions,
         slots,
         page_tables,
-        num_decode=s,
+        num_decode=bd,
         block_q=block_q,
         attn_impl=attn_impl,
         attention=attention,
@@ -213,12 +231,18 @@ def step(
         1, mode="drop"
     )
 
-    # Which row each slot samples from: its decode row, or the row of its last prompt token.
+    # The LM head runs on the decode rows plus one row per prompt block (its completing token,
+    # if any: a block belongs to one sequence); each slot then picks its row of those logits.
     completes = p_valid & (p_pos == state.prefill_lens[p_slot] - 1)  # [R]
-    rows = s + jnp.arange(p_pos.shape[0], dtype=jnp.int32)
-    sample_row = slot_ids.at[jnp.where(completes, p_slot, s)].set(rows, mode="drop")
-    sampled = decode.at[jnp.where(completes, p_slot, s)].set(True, mode="drop")
-    logits = compute_logits(params, hidden[sample_row])  # [S, V]
+    nb = p_pos.shape[0] // block_q
+    block_done = completes.reshape(nb, block_q)  # [NB, Bq]
+    block_row = bd + block_q * jnp.arange(nb) + jnp.argmax(block_done, axis=1)  # [NB]
+    head_rows = jnp.concatenate([jnp.arange(bd), block_row]).astype(jnp.int32)  # [Bd + NB]
+    slot_row = jnp.zeros(s, jnp.int32).at[ds].set(jnp.arange(bd, dtype=jnp.int32), mode="drop")
+    done_slot = jnp.where(block_done.any(axis=1), p_slot[block_q * jnp.arange(nb)], s)  # [NB]
+    slot_row = slot_row.at[done_slot].set(bd + jnp.arange(nb, dtype=jnp.int32), mode="drop")
+    sampled = decode.at[done_slot].set(True, mode="drop")
+    logits = compute_logits(params, hidden[head_rows])[slot_row]  # [S, V]
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)
     new_tok, logprobs = sample(logits, state.sampling, state.num_generated, prompt_mask, counts)
@@ -335,7 +359,7 @@ class EngineCore:
         return build_empty_insert(self.cfg)
 
     def warmup(self, params: dict, state: EngineState) -> EngineState:
-        """Compile every program the engine will ever run (one ``step`` per bucket)."""
+        """Compile every program the engine will ever run (one ``step`` per bucket pair)."""
         state = self.insert(state, self.empty_insert())
         state = self.release(state, np.zeros(self.cfg.max_slots, bool))
         if self.cfg.preemption_mode != "recompute":
@@ -344,7 +368,9 @@ class EngineCore:
             state = self.swap_in(state, np.int32(0), self.unused_pages(), saved)
             state = self.release(state, np.ones(self.cfg.max_slots, bool))
         for rows in buckets.prefill_buckets(self.cfg):
-            state, out = self.step(params, state, StepBatch.empty(self.cfg, rows))
+            for decode_rows in buckets.decode_buckets(self.cfg):
+                batch = StepBatch.empty(self.cfg, rows, decode_rows)
+                state, out = self.step(params, state, batch)
         jax.block_until_ready(out)
         return state
 

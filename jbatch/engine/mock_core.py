@@ -118,6 +118,9 @@ class MockCore:
             & (st.num_generated < st.max_tokens)
             & (st.seq_lens < max_len)
         )
+        listed = np.zeros(s + 1, bool)
+        listed[np.asarray(b.decode_slots)] = True  # padding entries hit index s
+        decode &= listed[:s]
         for slot in np.flatnonzero(decode):
             self._write(st, slot, st.seq_lens[slot], st.tokens[slot])
         sampled = decode.copy()
