@@ -1,7 +1,7 @@
 """jbatch: a JAX/XLA continuous-batching LLM inference engine."""
 
 from jbatch.engine.config import EngineConfig
-from jbatch.engine.loop import LLMEngine
+from jbatch.engine.llm_engine import LLMEngine
 from jbatch.llm import LLM
 from jbatch.outputs import CompletionOutput, RequestOutput
 from jbatch.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from jbatch.checkpoint import load_generation_config, load_model
 from jbatch.engine.config import EngineConfig
-from jbatch.engine.loop import LLMEngine
+from jbatch.engine.llm_engine import LLMEngine
 from jbatch.models.config import ModelConfig
 from jbatch.outputs import RequestOutput
 from jbatch.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ from typing import Any
 
 from grpc_health.v1 import health
 
-from jbatch.engine.loop import LLMEngine
+from jbatch.engine.llm_engine import LLMEngine
 from jbatch.tokenizer import Tokenizer
 from serving.engine_thread import EngineThread
 from serving.errors import ServingError, Status

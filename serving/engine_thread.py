@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jbatch.engine.loop import LLMEngine
+from jbatch.engine.llm_engine import LLMEngine
 from jbatch.sampling_params import SamplingParams
 from serving.errors import ServingError, Status
 from serving.metrics import ServingMetrics

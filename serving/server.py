@@ -29,7 +29,7 @@ from typing import Any
 import prometheus_client as prom
 import uvicorn
 
-from jbatch.engine.loop import LLMEngine
+from jbatch.engine.llm_engine import LLMEngine
 from serving.context import ServingContext
 from serving.engine_thread import EngineThread
 from serving.grpc_server import build_grpc_server, set_health

@@ -7,7 +7,7 @@ import numpy as np
 from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import SlotInsert, StepBatch
-from jbatch.engine.request import Sequence
+from jbatch.engine.request import Request
 from jbatch.engine.sampler import SlotSampling
 from jbatch.engine.scheduler import SchedulerOutput
 
@@ -18,7 +18,7 @@ def release_mask(cfg: EngineConfig, slots: list[int]) -> np.ndarray:
     return mask
 
 
-def build_insert(cfg: EngineConfig, seqs: list[Sequence]) -> SlotInsert:
+def build_insert(cfg: EngineConfig, seqs: list[Request]) -> SlotInsert:
     s = cfg.max_slots
     i32 = lambda: np.zeros(s, np.int32)
     f32 = lambda v: np.full(s, v, np.float32)

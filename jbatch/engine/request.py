@@ -1,4 +1,4 @@
-"""Sequence: the host-side record of one request as it moves through the engine."""
+"""Request: the host-side record of one request as it moves through the engine."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from jbatch.sampling_params import SamplingParams
 from jbatch.tokenizer import IncrementalDetokenizer
 
 
-class SeqStatus(enum.Enum):
+class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
 
 
 @dataclasses.dataclass(eq=False)
-class Sequence:
+class Request:
     """One request. Counters mirror the device state *as of the last dispatched step*."""
 
     request_id: str
@@ -30,7 +30,7 @@ class Sequence:
     priority: int = 0
     detokenizer: IncrementalDetokenizer | None = None
 
-    status: SeqStatus = SeqStatus.WAITING
+    status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
     output_ids: list[int] = dataclasses.field(default_factory=list)
@@ -66,7 +66,7 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.status is SeqStatus.FINISHED
+        return self.status is RequestStatus.FINISHED
 
     @property
     def uses_penalties(self) -> bool:
@@ -75,14 +75,14 @@ class Sequence:
 
     def resume(self, slot: int, admitted_at: int, pages: list[int]) -> None:
         """Re-admit a swapped-out sequence into fresh ``pages``; its counters are unchanged."""
-        self.status = SeqStatus.RUNNING
+        self.status = RequestStatus.RUNNING
         self.slot, self.admitted_at, self.pages = slot, admitted_at, list(pages)
         self.swapped_pages = 0
 
     def start(self, slot: int, admitted_at: int, cached_pages: list[int], page_size: int) -> None:
         """Admit into ``slot``: prefill the prompt plus any outputs from before a preemption,
         starting after the ``cached_pages`` found in the prefix cache."""
-        self.status = SeqStatus.RUNNING
+        self.status = RequestStatus.RUNNING
         self.slot = slot
         self.admitted_at = admitted_at
         self.prefill_ids = self.prompt_ids + self.output_ids

@@ -23,13 +23,13 @@ import dataclasses
 from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.page_allocator import PageAllocator, page_hashes
-from jbatch.engine.request import SeqStatus, Sequence
+from jbatch.engine.request import Request, RequestStatus
 from jbatch.engine.waiting_queue import WaitingQueue
 
 
 @dataclasses.dataclass
 class Chunk:
-    seq: Sequence
+    seq: Request
     start: int  # first position of the chunk
     token_ids: list[int]
 
@@ -41,18 +41,18 @@ class Chunk:
 @dataclasses.dataclass
 class SchedulerOutput:
     releases: list[int] = dataclasses.field(default_factory=list)  # slots to retire first
-    inserts: list[Sequence] = dataclasses.field(default_factory=list)
-    decodes: list[Sequence] = dataclasses.field(default_factory=list)
+    inserts: list[Request] = dataclasses.field(default_factory=list)
+    decodes: list[Request] = dataclasses.field(default_factory=list)
     chunks: list[Chunk] = dataclasses.field(default_factory=list)
     page_writes: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     # Swap preemption: (sequence, slot, pages) copied out before the step / written back after it
     # (a swapped-in sequence runs from the next step on).
-    swap_outs: list[tuple[Sequence, int, list[int]]] = dataclasses.field(default_factory=list)
-    swap_ins: list[tuple[Sequence, int, list[int]]] = dataclasses.field(default_factory=list)
+    swap_outs: list[tuple[Request, int, list[int]]] = dataclasses.field(default_factory=list)
+    swap_ins: list[tuple[Request, int, list[int]]] = dataclasses.field(default_factory=list)
     prompt_rows: int = 0  # chunk rows used, before rounding up to a bucket
     # (sequence, slot) of every sequence that receives a token from this step; the slot is kept
     # because a preemption may take it from the sequence before the token is read.
-    samplers: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    samplers: list[tuple[Request, int]] = dataclasses.field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -64,7 +64,7 @@ class Scheduler:
         self.cfg = cfg
         self.allocator = PageAllocator(cfg.num_pages, cfg.enable_prefix_caching)
         self.waiting = WaitingQueue(cfg.aging_steps)
-        self.running: dict[int, Sequence] = {}  # slot -> sequence
+        self.running: dict[int, Request] = {}  # slot -> sequence
         self.free_slots: list[int] = list(range(cfg.max_slots))
         self.pending_releases: list[int] = []  # slots of finished sequences, to retire on device
         self.num_preemptions = 0
@@ -73,23 +73,23 @@ class Scheduler:
         self._arrivals = 0
 
     # ---- bookkeeping ---------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         seq.arrival_order, self._arrivals = self._arrivals, self._arrivals + 1
         seq.waiting_since = self.num_steps
         self.waiting.push(seq)
 
-    def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+    def finish(self, seq: Request, reason: str, stop_reason=None) -> None:
         """Retire ``seq``: its slot and pages return at once (the device retires the slot before
         the next step)."""
-        if seq.status is SeqStatus.RUNNING:
+        if seq.status is RequestStatus.RUNNING:
             self._free_slot(seq)
-        elif seq.status is SeqStatus.WAITING:
+        elif seq.status is RequestStatus.WAITING:
             self.waiting.remove(seq)
             seq.swapped = None
-        seq.status = SeqStatus.FINISHED
+        seq.status = RequestStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
-    def _free_slot(self, seq: Sequence) -> None:
+    def _free_slot(self, seq: Request) -> None:
         self._cache_generated_pages(seq)
         self.allocator.free(seq.pages)
         seq.pages = []
@@ -98,13 +98,13 @@ class Scheduler:
         self.pending_releases.append(seq.slot)
         seq.slot = None
 
-    def _swap_instead(self, seq: Sequence) -> bool:
+    def _swap_instead(self, seq: Request) -> bool:
         mode = self.cfg.preemption_mode
         return mode == "swap" or (
             mode == "auto" and seq.num_computed > self.cfg.max_num_batched_tokens
         )
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput | None = None) -> None:
+    def _preempt(self, seq: Request, out: SchedulerOutput | None = None) -> None:
         """Evict ``seq`` (swap needs ``out``, where the copy-out is scheduled)."""
         if out is not None and self._swap_instead(seq):
             out.swap_outs.append((seq, seq.slot, list(seq.pages)))
@@ -113,7 +113,7 @@ class Scheduler:
             seq.swapped_pages = 0
         seq.preempted_at = self.num_steps
         self._free_slot(seq)
-        seq.status = SeqStatus.WAITING
+        seq.status = RequestStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(seq)  # keeps its arrival step: back at the front of its priority
@@ -123,7 +123,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- pages ---------------------------------------------------------------------------------
-    def _grow(self, seq: Sequence, upto: int, out: SchedulerOutput) -> bool:
+    def _grow(self, seq: Request, upto: int, out: SchedulerOutput) -> bool:
         """Give ``seq`` pages covering positions < ``upto``; all or nothing."""
         need = -(-upto // self.cfg.page_size) - len(seq.pages)
         if need <= 0:
@@ -136,22 +136,22 @@ class Scheduler:
         return True
 
     @staticmethod
-    def _victim_key(seq: Sequence) -> tuple[int, int]:
+    def _victim_key(seq: Request) -> tuple[int, int]:
         return seq.priority, seq.admitted_at
 
-    def _victim(self) -> Sequence:
+    def _victim(self) -> Request:
         """Lowest priority (largest number) first, then the most recently admitted. Running
         sequences are scheduled in the opposite order, so a victim is never one this step has
         already scheduled."""
         return max(self.running.values(), key=self._victim_key)
 
     # ---- prefix cache --------------------------------------------------------------------------
-    def _cacheable(self, seq: Sequence) -> bool:
+    def _cacheable(self, seq: Request) -> bool:
         # Penalties need every prompt/output token to pass through the step (prompt mask and
         # output counts live on the device), so such requests do not *reuse* cached pages.
         return self.cfg.enable_prefix_caching and not seq.uses_penalties
 
-    def _register_full_pages(self, seq: Sequence, tokens: list[int], upto: int) -> None:
+    def _register_full_pages(self, seq: Request, tokens: list[int], upto: int) -> None:
         """Name every full page of ``seq`` holding tokens < ``upto`` in the prefix cache."""
         if not self.cfg.enable_prefix_caching:
             return
@@ -159,7 +159,7 @@ class Scheduler:
         for page, h in zip(seq.pages, page_hashes(tokens, self.cfg.page_size, limit)):
             self.allocator.register(page, h)
 
-    def _cache_generated_pages(self, seq: Sequence) -> None:
+    def _cache_generated_pages(self, seq: Request) -> None:
         # Tokens whose K/V are surely written: all but the last output (it was never fed back).
         tokens = seq.prompt_ids + seq.output_ids
         self._register_full_pages(seq, tokens, min(len(tokens) - 1, seq.num_computed))
@@ -185,21 +185,21 @@ class Scheduler:
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         for seq in sorted(self.running.values(), key=self._victim_key):
-            if seq.status is not SeqStatus.RUNNING or not seq.can_decode:
+            if seq.status is not RequestStatus.RUNNING or not seq.can_decode:
                 continue
             while not self._grow(seq, seq.num_computed + 1, out):
                 victim = self._victim()
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-            if seq.status is SeqStatus.RUNNING:
+            if seq.status is RequestStatus.RUNNING:
                 out.decodes.append(seq)
                 out.samplers.append((seq, seq.slot))
                 seq.num_computed += 1
                 seq.num_sampled += 1
                 seq.inflight += 1
 
-    def _schedule_chunk(self, seq: Sequence, budget: int, rows: int, out: SchedulerOutput):
+    def _schedule_chunk(self, seq: Request, budget: int, rows: int, out: SchedulerOutput):
         bq, page = self.cfg.block_q, self.cfg.page_size
         start = seq.num_computed
         n = min(len(seq.prefill_ids) - start, budget, rows)

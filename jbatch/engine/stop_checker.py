@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from jbatch.engine.request import Sequence
+from jbatch.engine.request import Request
 
 
-def append_token(seq: Sequence, token: int, logprob: float) -> tuple[str, int | str] | None:
+def append_token(seq: Request, token: int, logprob: float) -> tuple[str, int | str] | None:
     """Record ``token`` for ``seq``; return ``(finish_reason, stop_reason)`` if it finishes.
 
     Order of checks: stop token ids and EOS (the id is kept, its text is not), then stop strings
@@ -44,7 +44,7 @@ def _find_stop(text: str, stops: tuple[str, ...], window: int) -> tuple[int, str
     return best
 
 
-def text_to_emit(seq: Sequence, finished: bool) -> str:
+def text_to_emit(seq: Request, finished: bool) -> str:
     """New text safe to stream: while running, hold back a tail that could still grow into a
     stop string (so a stop string is never streamed and then retracted)."""
     if seq.detokenizer is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 
-from jbatch.engine.request import Sequence
+from jbatch.engine.request import Request
 
 
 class WaitingQueue:
@@ -24,19 +24,19 @@ class WaitingQueue:
         self._heap: list[list] = []  # [key, arrival_order, seq, alive]
         self._entries: dict[int, list] = {}  # id(seq) -> its live heap entry
 
-    def _key(self, seq: Sequence) -> int:
+    def _key(self, seq: Request) -> int:
         if self.aging_steps:
             return seq.priority * self.aging_steps + seq.waiting_since
         return seq.priority
 
-    def push(self, seq: Sequence) -> None:
+    def push(self, seq: Request) -> None:
         if id(seq) in self._entries:
             raise ValueError(f"request {seq.request_id!r} is already waiting")
         entry = [self._key(seq), seq.arrival_order, seq, True]
         self._entries[id(seq)] = entry
         heapq.heappush(self._heap, entry)
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: Request) -> None:
         entry = self._entries.pop(id(seq), None)
         if entry is None:
             raise ValueError(f"request {seq.request_id!r} is not waiting")
@@ -45,7 +45,7 @@ class WaitingQueue:
             self._heap = [e for e in self._heap if e[3]]  # drop dead entries
             heapq.heapify(self._heap)
 
-    def in_order(self) -> Iterator[Sequence]:
+    def in_order(self) -> Iterator[Request]:
         """Yield waiting sequences best first; the caller may ``remove`` what it admits. Close
         the iterator (``contextlib.closing``) when done: skipped sequences go back then."""
         popped = []
@@ -66,9 +66,9 @@ class WaitingQueue:
     def __bool__(self) -> bool:
         return bool(self._entries)
 
-    def __iter__(self) -> Iterator[Sequence]:
+    def __iter__(self) -> Iterator[Request]:
         """Every waiting sequence, best first (a sort: for bookkeeping, not per step)."""
         return iter([e[2] for e in sorted(self._entries.values())])
 
-    def __contains__(self, seq: Sequence) -> bool:
+    def __contains__(self, seq: Request) -> bool:
         return id(seq) in self._entries

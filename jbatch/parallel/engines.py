@@ -8,7 +8,7 @@ from pathlib import Path
 
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import EngineCore
-from jbatch.engine.loop import LLMEngine
+from jbatch.engine.llm_engine import LLMEngine
 from jbatch.models.config import ModelConfig
 from jbatch.parallel.loading import load_params_sharded
 from jbatch.parallel.mesh import kv_replication, make_mesh, replica_meshes, sharded_model_config

@@ -21,8 +21,8 @@ import itertools
 from collections.abc import Iterator, MutableMapping
 from collections.abc import Sequence as Seq
 
-from jbatch.engine.loop import LLMEngine
-from jbatch.engine.request import Sequence
+from jbatch.engine.llm_engine import LLMEngine
+from jbatch.engine.request import Request
 from jbatch.outputs import RequestOutput
 from jbatch.sampling_params import SamplingParams
 
@@ -39,10 +39,10 @@ class _Requests(MutableMapping):
                 return engine
         raise KeyError(rid)
 
-    def __getitem__(self, rid: str) -> Sequence:
+    def __getitem__(self, rid: str) -> Request:
         return self._owner(rid).requests[rid]
 
-    def __setitem__(self, rid: str, seq: Sequence) -> None:
+    def __setitem__(self, rid: str, seq: Request) -> None:
         raise TypeError("requests are added with add_request")
 
     def __delitem__(self, rid: str) -> None:
@@ -78,11 +78,11 @@ class _Schedulers:
         self.allocator = _Allocators(engines)
 
     @property
-    def running(self) -> list[Sequence]:
+    def running(self) -> list[Request]:
         return [s for e in self._engines for s in e.scheduler.running.values()]
 
     @property
-    def waiting(self) -> list[Sequence]:
+    def waiting(self) -> list[Request]:
         return [s for e in self._engines for s in e.scheduler.waiting]
 
     @property

@@ -28,7 +28,7 @@ import numpy as np
 from jbatch.engine import batch_builder, stop_checker
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import EngineCore, StepOutput
-from jbatch.engine.request import SeqStatus, Sequence
+from jbatch.engine.request import Request, RequestStatus
 from jbatch.engine.scheduler import Scheduler, SchedulerOutput
 from jbatch.models.config import ModelConfig
 from jbatch.models.llama import unstack_layers
@@ -60,7 +60,7 @@ class LLMEngine:
         if warmup:
             self.state = self.core.warmup(params, self.state)
         self.scheduler = Scheduler(cfg)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Request] = {}
         self._inflight: collections.deque[tuple[SchedulerOutput, StepOutput]] = collections.deque()
         self._ids = itertools.count()
         self.stats = collections.Counter()  # steps, host_seconds, device_wait_seconds, tokens
@@ -101,7 +101,7 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         elif params.stop:
             raise ValueError(f"stop={params.stop!r} needs a tokenizer; this model has none")
-        seq = Sequence(
+        seq = Request(
             request_id=request_id,
             prompt_ids=ids,
             params=params,
@@ -222,7 +222,7 @@ class LLMEngine:
             results.append(self._output(seq, delta_ids=[seq.output_ids[-1]]))
         return results
 
-    def _output(self, seq: Sequence, delta_ids: list[int]) -> RequestOutput:
+    def _output(self, seq: Request, delta_ids: list[int]) -> RequestOutput:
         finished = seq.finished
         delta_text = stop_checker.text_to_emit(seq, finished)
         completion = CompletionOutput(
@@ -279,7 +279,7 @@ class LLMEngine:
         dropped = []
         for rid, seq in list(self.requests.items()):
             if not seq.finished and id(seq) not in keep:
-                seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+                seq.status, seq.finish_reason = RequestStatus.FINISHED, "abort"
                 del self.requests[rid]
                 dropped.append(rid)
         return dropped
@@ -300,5 +300,5 @@ class LLMEngine:
 
     def forget_finished(self) -> None:
         """Drop finished requests' records (long-running servers call this periodically)."""
-        for rid in [r for r, s in self.requests.items() if s.status is SeqStatus.FINISHED]:
+        for rid in [r for r, s in self.requests.items() if s.status is RequestStatus.FINISHED]:
             del self.requests[rid]
