@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -11,13 +12,15 @@ from tqdm.auto import tqdm
 
 from jbatch.checkpoint import load_generation_config, load_model
 from jbatch.engine.config import EngineConfig
+from jbatch.engine.interface import StepFailed
 from jbatch.engine.llm_engine import LLMEngine
 from jbatch.models.config import ModelConfig
-from jbatch.outputs import RequestOutput
+from jbatch.outputs import OutputKind, RequestOutput
 from jbatch.sampling_params import SamplingParams
 from jbatch.tokenizer import Tokenizer
 
 Prompt = str | Seq[int]
+log = logging.getLogger(__name__)
 
 
 class LLM:
@@ -70,7 +73,11 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results in input order. With ``n > 1`` a prompt's
-        ``outputs`` holds n completions (seeds ``seed + i`` when a seed is given)."""
+        ``outputs`` holds n completions (seeds ``seed + i`` when a seed is given).
+
+        If an engine step fails, the engine rebuilds its device state and carries on: the
+        requests that were on the device finish with ``finish_reason == "error"`` (and
+        ``RequestOutput.error`` says why), the others are unaffected."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         # Validate everything before scheduling anything.
@@ -80,13 +87,17 @@ class LLM:
                 ids = []
                 for i in range(p.n):
                     seed = None if p.seed is None else (p.seed + i) % 2**32
-                    ids.append(self.engine.add_request(prompt, p.replace(n=1, seed=seed)))
+                    rid = self.engine.add_request(
+                        prompt, p.replace(n=1, seed=seed), output_kind=OutputKind.FINAL
+                    )
+                    ids.append(rid)
                 groups.append(ids)
         except ValueError:
             for ids in groups:
                 for rid in ids:
                     self.engine.abort_request(rid)
-            self._run_until_done(lambda: None)
+                    self.engine.forget(rid)
+            self._run_until_done(lambda out: None)
             raise
         bar = tqdm(total=sum(map(len, groups)), desc="generate", disable=not use_tqdm, unit="req")
         finals: dict[str, RequestOutput] = {}
@@ -94,6 +105,7 @@ class LLM:
         def on_output(out: RequestOutput):
             if out.finished:
                 finals[out.request_id] = out
+                self.engine.forget(out.request_id)
                 bar.update(1)
 
         self._run_until_done(on_output)
@@ -106,29 +118,41 @@ class LLM:
                 completion = finals[rid].outputs[0]
                 completion.index = i
                 outputs.append(completion)
-                self.engine.requests.pop(rid, None)
-            results.append(dataclasses.replace(first, request_id=ids[0], outputs=outputs))
+            error = next((finals[r].error for r in ids if finals[r].error), None)
+            results.append(
+                dataclasses.replace(first, request_id=ids[0], outputs=outputs, error=error)
+            )
         return results
 
     def generate_stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield a RequestOutput each step the request gets tokens (``delta_text`` is new)."""
+        """Yield a RequestOutput each step the request gets tokens: ``outputs[0]`` (also
+        ``delta_text`` / ``delta_token_ids``) holds what that step added."""
         rid = self.engine.add_request(prompt, sampling_params)
         try:
             while True:
-                for out in self.engine.step():
+                for out in self._step():
                     if out.request_id == rid:
                         yield out
                         if out.finished:
                             return
         finally:
             self.engine.abort_request(rid)
-            self.engine.requests.pop(rid, None)
+            self.engine.forget(rid)
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step; after a failed one (the engine has recovered) the outputs of the
+        other replicas and an "error" output for each request that failed."""
+        try:
+            return self.engine.step()
+        except StepFailed as e:
+            log.error("%s; %d request(s) failed with it", e, len(e.failed))
+            return e.outputs
 
     def _run_until_done(self, on_output) -> None:
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self._step():
                 on_output(out)
 
 

@@ -1,19 +1,37 @@
-"""Results returned to callers (vLLM-compatible names)."""
+"""Results returned to callers (vLLM-compatible names).
+
+``LLMEngine.step()`` returns one :class:`RequestOutput` per request that got tokens. Its
+content depends on the request's :class:`OutputKind`:
+
+* ``DELTA`` (streaming, the servers): ``outputs[0]`` holds only what this step added — the new
+  ``token_ids``, ``text`` and ``logprobs`` — plus running totals (``num_tokens``,
+  ``cumulative_logprob``); callers build whole texts from the deltas. Host work per token is
+  O(1) whatever the length of the generation.
+* ``FINAL`` (``LLM.generate``): nothing until the request finishes, then one output with the
+  whole completion.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+
+
+class OutputKind(enum.Enum):
+    DELTA = "delta"
+    FINAL = "final"
 
 
 @dataclasses.dataclass
 class CompletionOutput:
     index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[float] | None  # per generated token, the sampled token's logprob
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    text: str  # DELTA: text added by this update; FINAL: the whole completion
+    token_ids: list[int]  # likewise
+    cumulative_logprob: float | None  # sum over every generated token so far
+    logprobs: list[float] | None  # the sampled tokens' logprobs, aligned with ``token_ids``
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    num_tokens: int = 0  # tokens generated so far (all of them, not only this update's)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -23,10 +41,18 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # the engine's own list: do not modify
     outputs: list[CompletionOutput]
     finished: bool
-    # What this update added (streaming): new token ids and text since the previous update.
-    delta_token_ids: list[int] = dataclasses.field(default_factory=list)
-    delta_text: str = ""
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    error: str | None = None  # set when the request failed (``finish_reason == "error"``)
+
+    @property
+    def delta_token_ids(self) -> list[int]:
+        """Token ids this update added (for a DELTA output: ``outputs[0].token_ids``)."""
+        return self.outputs[0].token_ids
+
+    @property
+    def delta_text(self) -> str:
+        """Text this update added (for a DELTA output: ``outputs[0].text``)."""
+        return self.outputs[0].text

@@ -49,7 +49,7 @@ def ideal_steps(out_lens: list[int], slots: int) -> tuple[int, int]:
 
 def run(llm: LLM, prompts, out_lens, static: bool) -> dict:
     eng = llm.engine
-    eng.stats.clear()
+    eng.counters.clear()
     slots = llm.config.max_slots
     timeline, busy_while_waiting = [], []
     groups = (
@@ -65,23 +65,24 @@ def run(llm: LLM, prompts, out_lens, static: bool) -> dict:
             )
         while eng.has_unfinished_requests():
             eng.step()
-            running = len(eng.scheduler.running)
+            snapshot = eng.stats()
+            running = snapshot.running
             timeline.append(running)
-            if (static and group is not groups[-1]) or eng.scheduler.waiting:
+            if (static and group is not groups[-1]) or snapshot.waiting:
                 busy_while_waiting.append(running / slots)
     wall = time.perf_counter() - t0
     eng.forget_finished()
     tokens = sum(out_lens)
-    host = eng.stats["host_seconds"] - eng.stats["device_wait_seconds"]
+    stats = eng.stats()
     return {
         "wall_s": wall,
         "output_tokens": tokens,
         "output_tok_per_s": tokens / wall,
-        "steps": int(eng.stats["steps"]),
-        "decode_rows": int(eng.stats["decode_rows"]),
-        "slot_utilization": eng.stats["decode_rows"] / (eng.stats["steps"] * slots),
+        "steps": stats.steps,
+        "decode_rows": stats.decode_rows,
+        "slot_utilization": stats.decode_rows / (stats.steps * slots),
         "utilization_while_waiting": float(np.mean(busy_while_waiting or [0.0])),
-        "host_overhead_pct": 100 * host / wall,
+        "host_overhead_pct": 100 * stats.host_only_seconds / wall,
         "timeline": timeline,
     }
 

@@ -81,7 +81,7 @@ def main() -> None:
     wall = time.perf_counter() - t
     sampler.stop.set()
     sampler.join()
-    stats = llm.engine.stats
+    stats = llm.engine.stats()
     assert len(outs) == args.requests
     assert all(len(o.outputs[0].token_ids) == p.max_tokens for o, p in zip(outs, params))
     out_tokens = sum(p.max_tokens for p in params)
@@ -95,9 +95,9 @@ def main() -> None:
         "output_tokens": out_tokens,
         "output_tok_per_s": out_tokens / wall,
         "prompt_tokens": sum(map(len, prompts)),
-        "steps": int(stats["steps"]),
-        "utilization_while_queued": stats["busy_slots_while_queued"]
-        / max(1, stats["steps_while_queued"] * args.slots),
+        "steps": int(stats.steps),
+        "utilization_while_queued": stats.busy_slots_while_queued
+        / max(1, stats.steps_while_queued * args.slots),
         "rss_mb_before": rss_before,
         "rss_mb_max_during": max(rss),
         "rss_mb_last_quarter_max": max(rss[len(rss) * 3 // 4 :]),

@@ -30,7 +30,7 @@ def greedy(n: int) -> SamplingParams:
 def run(llm: LLM, arrivals: list[list[tuple[list[int], int, int]]]) -> dict:
     """``arrivals[k]``: (prompt, max_tokens, priority) arriving before step k; steps until done."""
     eng = llm.engine
-    eng.stats.clear()
+    eng.counters.clear()
     sched = eng.scheduler
     seqs, done_at, t0 = [], {}, time.monotonic()
     step = 0
@@ -53,10 +53,10 @@ def run(llm: LLM, arrivals: list[list[tuple[list[int], int, int]]]) -> dict:
         "wall_s": wall,
         "output_tokens": tokens,
         "output_tok_per_s": tokens / wall,
-        "prompt_tokens_computed": int(eng.stats["prompt_tokens"]),
+        "prompt_tokens_computed": int(eng.stats().prompt_tokens),
         "prefix_hit_rate": sched.allocator.hit_rate,
         "preemptions": sched.num_preemptions,
-        "swap_outs": int(eng.stats["swap_outs"]),
+        "swap_outs": int(eng.stats().swap_outs),
         "p50_e2e_s": float(np.percentile(e2e, 50)),
         "p99_e2e_s": float(np.percentile(e2e, 99)),
         "p99_wait_steps": {str(p): float(np.percentile(w, 99)) for p, w in waits.items()},

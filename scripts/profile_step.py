@@ -55,12 +55,12 @@ def main() -> None:
     prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(args.slots)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm caches
-    steps0 = llm.engine.stats["steps"]
+    steps0 = llm.engine.stats().steps
     trace_dir = tempfile.mkdtemp(prefix="jbatch-trace-")
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     llm.generate(prompts, params, use_tqdm=False)
     jax.profiler.stop_trace()
-    steps = llm.engine.stats["steps"] - steps0
+    steps = llm.engine.stats().steps - steps0
     ops = op_times(trace_dir)
     print(f"{steps} steps traced; top XLA ops, ms per step:")
     for name, ms in ops.most_common(15):

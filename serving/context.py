@@ -6,7 +6,7 @@ from typing import Any
 
 from grpc_health.v1 import health
 
-from jbatch.engine.llm_engine import LLMEngine
+from jbatch.engine.interface import EngineClient
 from jbatch.tokenizer import Tokenizer
 from serving.engine_thread import EngineThread
 from serving.errors import ServingError, Status
@@ -23,7 +23,7 @@ class ServingContext:
         self.engine_thread: EngineThread | None = None
 
     @property
-    def engine(self) -> LLMEngine | None:
+    def engine(self) -> EngineClient | None:
         return None if self.engine_thread is None else self.engine_thread.engine
 
     @property

@@ -1,9 +1,12 @@
-"""EngineThread: the one thread that owns the :class:`LLMEngine`; every front end talks to it.
+"""EngineThread: the one thread that owns the engine; every front end talks to it.
 
-``LLMEngine`` is not thread-safe, so nothing but this thread touches it. Data flow of a request:
+The engine is any :class:`jbatch.engine.interface.EngineClient` (an ``LLMEngine``, or the
+data-parallel router); it is not thread-safe, so nothing but this thread touches it, and only
+through that interface. Data flow of a request:
 
-1. A front end (gRPC or HTTP handler, on its asyncio loop) builds ``SamplingParams`` (a
-   ``ValueError`` there is INVALID_ARGUMENT) and calls :meth:`EngineThread.submit`. Admission
+1. A front end (gRPC or HTTP handler, on its asyncio loop) tokenizes the prompt, builds
+   ``SamplingParams`` (a ``ValueError`` there is INVALID_ARGUMENT) and calls
+   :meth:`EngineThread.submit` with token ids (text is accepted too). Admission
    control runs under a lock — draining: UNAVAILABLE; ``max_queue`` requests already waiting for
    a slot: RESOURCE_EXHAUSTED — then an ``_Add`` command goes on the thread-safe inbox and the
    caller gets a :class:`RequestStream`.
@@ -13,11 +16,12 @@
    ``engine.step()``.
 3. Each ``RequestOutput`` becomes a :class:`Delta` put on its request's asyncio queue with
    ``loop.call_soon_threadsafe``; the stream's async iterator hands it to the front end.
-4. A finished request is forgotten (``engine.requests``). An abort (client went away, deadline)
-   calls ``engine.abort_request``: the slot and pages are free for the very next step.
-5. If ``engine.step()`` raises, the requests the device touched fail with INTERNAL, the device
-   state and the scheduler are rebuilt (compiled programs are reused), requests that never
-   reached the device stay queued, and the loop goes on.
+4. A finished request is forgotten (``engine.forget``). An abort (client went away, deadline,
+   or a consumer whose event loop has closed) calls ``engine.abort_request``: the slot and
+   pages are free for the very next step.
+5. If a step fails, the engine rebuilds its device state itself (compiled programs are reused)
+   and raises ``StepFailed`` naming the requests that failed: those streams end with INTERNAL;
+   requests that never reached the device stay queued, and the loop goes on.
 6. :meth:`shutdown`: stop admitting, let in-flight requests finish until a deadline, fail the
    rest with UNAVAILABLE, end the thread.
 """
@@ -26,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -36,7 +39,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jbatch.engine.llm_engine import LLMEngine
+from jbatch.engine.interface import EngineClient, StepFailed
+from jbatch.outputs import RequestOutput
 from jbatch.sampling_params import SamplingParams
 from serving.errors import ServingError, Status
 from serving.metrics import ServingMetrics
@@ -77,10 +81,15 @@ class RequestStream:
         self.done = False
 
     def _put(self, item: Delta | ServingError) -> None:
-        """Hand ``item`` to the consumer's loop (any thread)."""
-        # A closed loop (RuntimeError) means nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
+        """Hand ``item`` to the consumer's loop (any thread). A closed loop means nobody is
+        listening any more: the request is aborted (its slot and pages freed)."""
+        try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
+            ended = isinstance(item, ServingError) or item.finished
+            if not self.done and not ended:
+                self.done = True
+                self._owner.abort(self.request_id, "disconnected")
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -120,7 +129,7 @@ class _Abort:
 
 @dataclasses.dataclass
 class _Call:
-    fn: Callable[[LLMEngine], Any]
+    fn: Callable[[EngineClient], Any]
     future: concurrent.futures.Future
 
 
@@ -143,7 +152,7 @@ class EngineThread:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: EngineClient,
         *,
         max_queue: int = 1024,
         metrics: ServingMetrics | None = None,
@@ -163,7 +172,7 @@ class EngineThread:
         self._live: dict[str, _Live] = {}  # engine thread only
         self._stop_deadline: float | None = None  # engine thread only
         self._exiting = False
-        self._failed_steps = 0  # consecutive failed engine steps
+        self._failed_steps = 0  # consecutive steps that raised something other than StepFailed
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # ---- any thread -----------------------------------------------------------------------------
@@ -210,10 +219,15 @@ class EngineThread:
         """Abort a request by its server id; ``outcome`` is the metrics status label."""
         self._inbox.put(_Abort(request_id, outcome))
 
-    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
-        """Run ``fn(engine)`` on the engine thread between steps (inspection, tests)."""
+    def call(self, fn: Callable[[EngineClient], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread between steps (inspection, tests). Once the
+        thread has stopped (or before it started) the future fails at once with UNAVAILABLE."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_Call(fn, future))
+        with self._lock:  # the thread's exit takes the lock before its last look at the inbox
+            if self._exiting or not self._thread.is_alive():
+                future.set_exception(ServingError(Status.UNAVAILABLE, "the engine has stopped"))
+            else:
+                self._inbox.put(_Call(fn, future))
         return future
 
     def begin_drain(self) -> None:
@@ -302,59 +316,62 @@ class EngineThread:
         self._count_retired()
 
     def _step(self) -> None:
-        engine = self.engine
         try:
-            outputs = engine.step()
-        except Exception as e:
+            outputs = self.engine.step()
+            self._failed_steps = 0
+        except StepFailed as e:  # the engine has recovered; these requests failed with it
+            log.error("%s; failing %d request(s)", e, len(e.failed))
+            outputs = e.outputs
+        except Exception as e:  # an engine that did not recover by itself
             self._failed_steps += 1
             self._recover(e)
             return
-        self._failed_steps = 0
         now = time.monotonic()
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
                 continue  # aborted meanwhile
-            completion = out.outputs[0]
-            if out.delta_token_ids:
-                if live.last_token is None:
-                    self.metrics.ttft.observe(now - live.arrival)
-                else:
-                    self.metrics.itl.observe(now - live.last_token)
-                live.last_token = now
-            finish = completion.finish_reason if out.finished else None
-            live.stream._put(
-                Delta(
-                    token_ids=list(out.delta_token_ids),
-                    text=out.delta_text,
-                    finish_reason=finish,
-                    stop_reason=completion.stop_reason if out.finished else None,
-                    prompt_tokens=len(out.prompt_token_ids),
-                    completion_tokens=len(completion.token_ids),
-                )
-            )
-            if out.finished:
+            if out.error is not None:
                 del self._live[out.request_id]
-                engine.forget(out.request_id)
-                self.metrics.e2e.observe(now - live.arrival)
-                self.metrics.outcome("ok", finish)
-                self._count_retired()
+                self.engine.forget(out.request_id)
+                self._fail(live.stream, ServingError(Status.INTERNAL, out.error))
+                continue
+            self._deliver(live, out, now)
+
+    def _deliver(self, live: _Live, out: RequestOutput, now: float) -> None:
+        completion = out.outputs[0]
+        if completion.token_ids:
+            if live.last_token is None:
+                self.metrics.ttft.observe(now - live.arrival)
+            else:
+                self.metrics.itl.observe(now - live.last_token)
+            live.last_token = now
+        finish = completion.finish_reason if out.finished else None
+        live.stream._put(
+            Delta(
+                token_ids=completion.token_ids,
+                text=completion.text,
+                finish_reason=finish,
+                stop_reason=completion.stop_reason if out.finished else None,
+                prompt_tokens=len(out.prompt_token_ids),
+                completion_tokens=completion.num_tokens,
+            )
+        )
+        if out.finished:
+            del self._live[out.request_id]
+            self.engine.forget(out.request_id)
+            self.metrics.e2e.observe(now - live.arrival)
+            self.metrics.outcome("ok", finish)
+            self._count_retired()
 
     def _recover(self, exc: Exception) -> None:
-        """After a failed step the donated device state may be invalid: rebuild it, fail what
-        the device touched, keep what it never saw (unless steps keep failing)."""
+        """``step()`` raised something other than StepFailed: rebuild the engine's state, fail
+        what it drops, keep what the device never saw (unless steps keep failing)."""
         log.exception("engine step failed; failing in-flight requests and rebuilding state")
-        engine = self.engine
         error = ServingError(Status.INTERNAL, f"engine step failed: {type(exc).__name__}: {exc}")
-        # Requests never admitted have nothing on the device: they wait on (unless steps keep
-        # failing, then they fail too so nothing hangs).
-        for rid in engine.reset(requeue_waiting=self._failed_steps < 2):
+        for rid in self.engine.reset(requeue_waiting=self._failed_steps < 2):
             live = self._live.pop(rid, None)
             if live is not None:
-                self._fail(live.stream, error)
-        for live in list(self._live.values()):  # not in engine.requests: cannot happen, but
-            if live.stream.request_id not in engine.requests:  # never leave a stream hanging
-                del self._live[live.stream.request_id]
                 self._fail(live.stream, error)
 
     def _fail_all(self, error: ServingError) -> None:
@@ -375,9 +392,8 @@ class EngineThread:
             self._outstanding -= 1
 
     def _publish(self) -> None:
-        sched = self.engine.scheduler
+        stats = self.engine.stats()
         with self._lock:
-            self._running = len(sched.running)
+            self._running = stats.running
             waiting = self._outstanding - self._running
-        slots = getattr(self.engine, "total_slots", self.engine.cfg.max_slots)  # dp: all replicas
-        self.metrics.observe_engine(sched, slots, waiting)
+        self.metrics.observe_engine(stats, waiting)

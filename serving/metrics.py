@@ -19,9 +19,9 @@ thread-safe); gauges only by the engine thread, from ``observe_engine`` after ea
 
 from __future__ import annotations
 
-from typing import Any
-
 import prometheus_client as prom
+
+from jbatch.engine.interface import EngineStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -79,19 +79,16 @@ class ServingMetrics:
         """Count one finished request: ``status`` ok / cancelled / an error label."""
         self.requests.labels(status=status, finish_reason=finish_reason or "").inc()
 
-    def observe_engine(self, scheduler: Any, max_slots: int, num_waiting: int) -> None:
-        """Refresh the gauges from the engine's scheduler (engine thread only)."""
-        running = len(scheduler.running)
+    def observe_engine(self, stats: EngineStats, num_waiting: int) -> None:
+        """Refresh the gauges from an engine snapshot (engine thread only)."""
         self.queue_depth.set(num_waiting)
-        self.running.set(running)
-        self.utilization.set(running / max_slots)
-        alloc = scheduler.allocator
-        self.pages_used.set(alloc.num_used)
-        self.pages_total.set(alloc.num_pages)
-        queries = getattr(alloc, "queries", 0)
-        self.prefix_hit_rate.set(getattr(alloc, "hits", 0) / queries if queries else 0.0)
-        # The scheduler's count restarts when it is rebuilt after an engine fault.
-        total = scheduler.num_preemptions
+        self.running.set(stats.running)
+        self.utilization.set(stats.running / stats.total_slots)
+        self.pages_used.set(stats.pages_used)
+        self.pages_total.set(stats.pages_total)
+        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        # The engine's count restarts when its scheduler is rebuilt after a fault.
+        total = stats.preemptions
         if total < self._last_preemptions:
             self._last_preemptions = 0
         self.preemptions.inc(total - self._last_preemptions)

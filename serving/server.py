@@ -29,7 +29,7 @@ from typing import Any
 import prometheus_client as prom
 import uvicorn
 
-from jbatch.engine.llm_engine import LLMEngine
+from jbatch.engine.interface import EngineClient
 from serving.context import ServingContext
 from serving.engine_thread import EngineThread
 from serving.grpc_server import build_grpc_server, set_health
@@ -106,7 +106,7 @@ class Server:
             self.metrics_port = self._metrics_httpd.server_port
         log.info("gRPC on %s:%s, HTTP on %s:%s", cfg.host, self.grpc_port, cfg.host, self.http_port)
 
-    async def attach(self, engine: LLMEngine) -> None:
+    async def attach(self, engine: EngineClient) -> None:
         """Serve ``engine`` (loaded and warm); from now on only the engine thread touches it."""
         thread = EngineThread(engine, max_queue=self.config.max_queue, metrics=self.ctx.metrics)
         thread.start()
@@ -135,7 +135,7 @@ class Server:
 class BackgroundServer:
     """A :class:`Server` on its own event loop in a daemon thread."""
 
-    def __init__(self, engine: LLMEngine, config: ServeConfig):
+    def __init__(self, engine: EngineClient, config: ServeConfig):
         self.server = Server(config)
         self._engine = engine
         self._loop = asyncio.new_event_loop()
@@ -157,7 +157,7 @@ class BackgroundServer:
         self._thread.join(10.0)
 
 
-async def _serve(load: Callable[[], LLMEngine], config: ServeConfig) -> int:
+async def _serve(load: Callable[[], EngineClient], config: ServeConfig) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -199,6 +199,6 @@ async def _serve(load: Callable[[], LLMEngine], config: ServeConfig) -> int:
     return 0
 
 
-def serve(load: Callable[[], LLMEngine], config: ServeConfig) -> int:
+def serve(load: Callable[[], EngineClient], config: ServeConfig) -> int:
     """Run until SIGTERM / SIGINT, then shut down gracefully; returns the exit status (0)."""
     return asyncio.run(_serve(load, config))

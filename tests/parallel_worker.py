@@ -49,6 +49,7 @@ WORKLOAD = [
 
 def run_workload(engine) -> dict[str, list[int]]:
     """Requests arrive while others run; every request's greedy tokens, by request id."""
+    from jbatch.outputs import OutputKind
     from jbatch.sampling_params import SamplingParams
 
     outs: dict[str, list[int]] = {}
@@ -58,7 +59,7 @@ def run_workload(engine) -> dict[str, list[int]]:
         while pending and pending[0][1][2] <= step:
             i, (prompt, max_tokens, _) = pending.pop(0)
             sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            engine.add_request(prompt, sp, request_id=f"q{i}")
+            engine.add_request(prompt, sp, request_id=f"q{i}", output_kind=OutputKind.FINAL)
         for out in engine.step():
             if out.finished:
                 outs[out.request_id] = list(out.outputs[0].token_ids)
@@ -99,10 +100,9 @@ def step_collectives(engine) -> dict[str, int]:
     import collections
     import re
 
-    from jbatch.engine.core import StepBatch
-
     core = engine.core
-    lowered = core.step.lower(engine.params, engine.state, StepBatch.empty(core.cfg, 0))
+    decode_rows = core.cfg.max_slots  # the decode-only program of the largest decode bucket
+    lowered = core.lower_step(engine.params, engine.state, 0, decode_rows)
     found: collections.Counter = collections.Counter()
     for line in lowered.compile().as_text().splitlines():
         m = re.search(r" (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
@@ -141,7 +141,7 @@ def matrix(ckpt: str, configs: str) -> dict:
             "compiles_after_warmup": compiled,
             "replicas": [describe_engine(e) for e in engines],
             "routed": getattr(engine, "routed", [len(WORKLOAD)]),
-            "swap_outs": sum(e.stats["swap_outs"] for e in engines),
+            "swap_outs": sum(e.stats().swap_outs for e in engines),
             "build_seconds": round(built, 1),
             "run_seconds": round(time.perf_counter() - t0 - built, 1),
         }
@@ -229,7 +229,7 @@ def multihost(ckpt: str, port: int, proc_id: int, nproc: int) -> dict:
         "tp": tp,
         "local_devices": jax.local_device_count(),
         "outputs": outs,
-        "swap_outs": engine.stats["swap_outs"],
+        "swap_outs": engine.stats().swap_outs,
         "kv": describe(engine.state.cache.k[0]),
     }
 

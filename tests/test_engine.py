@@ -182,13 +182,21 @@ def test_max_seq_len_caps_length(llama):
 
 
 def test_streaming_deltas_add_up(llama):
+    """Streamed deltas (one token each, running totals alongside) add up to the whole output
+    that ``generate`` returns for the same request."""
     llm, _ = llama
-    deltas, ids = [], []
-    for out in llm.generate_stream("Pages of keys", GREEDY.replace(max_tokens=20)):
-        deltas.append(out.delta_text)
-        ids += out.delta_token_ids
-    assert out.finished and "".join(deltas) == out.outputs[0].text
-    assert ids == out.outputs[0].token_ids
+    params = GREEDY.replace(max_tokens=20)
+    deltas, ids, logprobs = [], [], []
+    for out in llm.generate_stream("Pages of keys", params):
+        c = out.outputs[0]
+        assert len(c.token_ids) == 1 and c.num_tokens == len(ids) + 1
+        deltas.append(c.text)
+        ids += c.token_ids
+        logprobs += c.logprobs
+        assert c.cumulative_logprob == pytest.approx(sum(logprobs))
+    whole = llm.generate("Pages of keys", params, use_tqdm=False)[0].outputs[0]
+    assert out.finished and "".join(deltas) == whole.text and ids == whole.token_ids
+    assert logprobs == whole.logprobs and c.finish_reason == whole.finish_reason
 
 
 def test_abort_frees_slot_and_pages(llama):
@@ -268,7 +276,7 @@ def test_swap_preemption_and_prefix_cache_with_the_real_model(hf_checkpoint):
     assert compiled == [], f"swapping recompiled: {compiled}"
     for prompt, out in zip(prompts, outs):
         assert_teacher_forced(model, prompt, out.outputs[0].token_ids)
-    assert llm.engine.stats["swap_outs"] > 0
+    assert llm.engine.stats().swap_outs > 0
     assert llm.engine.scheduler.allocator.hits > 0
     assert_drained(llm)
 

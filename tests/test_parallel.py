@@ -243,20 +243,24 @@ def test_router_least_loaded_and_exact_outputs():
     assert router.replica_of(rid) == 2
     with pytest.raises(ValueError, match="already in use"):
         router.add_request([1], sp(1), request_id=rid)
-    finals = {}
+    tokens: dict[str, list[int]] = {}
+    finished = set()
     while router.has_unfinished_requests():
-        for out in router.step():
+        for out in router.step():  # deltas
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
             if out.finished:
-                finals[out.request_id] = out.outputs[0].token_ids
+                finished.add(out.request_id)
     for r, i in prompts.items():
-        assert finals[r] == expected_tokens([i + 3, i + 4], 4 + i % 3, 0, False, 97)
-    assert len(router.scheduler.running) == 0 and router.scheduler.allocator.num_used == 0
-    # ``requests`` spans all replicas (LLM.generate pops finished records through it).
-    assert set(router.requests) == set(finals)
-    for r in list(finals):
-        router.requests.pop(r)
-    assert len(router.requests) == 0 and not any(e.requests for e in router.engines)
-    assert router.stats["steps"] > 0
+        assert tokens[r] == expected_tokens([i + 3, i + 4], 4 + i % 3, 0, False, 97)
+    stats = router.stats()
+    assert stats.running == stats.waiting == stats.pages_used == 0 and stats.steps > 0
+    assert stats.total_slots == sum(e.cfg.max_slots for e in router.engines)
+    # Forgetting a finished request drops it from its replica and from the routing table.
+    assert finished == set(tokens)
+    for r in finished:
+        router.forget(r)
+        assert router.replica_of(r) is None
+    assert not any(e.requests for e in router.engines)
 
 
 def test_engine_thread_serves_a_router():
@@ -285,5 +289,5 @@ def test_engine_thread_serves_a_router():
     for i, tokens in got.items():
         assert tokens == expected_tokens([i + 3, i + 4], 5, 0, False, 97)
     assert sum(router.routed) == 6 and min(router.routed) >= 1
-    assert router.total_slots == 4 and thread.metrics.utilization._value.get() <= 1.0
-    assert len(router.requests) == 0  # finished requests were forgotten on their replicas
+    assert router.stats().total_slots == 4 and thread.metrics.utilization._value.get() <= 1.0
+    assert not any(e.requests for e in router.engines)  # finished requests were forgotten

@@ -163,7 +163,7 @@ def test_swapped_sequences_resume_exactly(mode):
     while eng.has_unfinished_requests():
         eng.step()
         eng.scheduler.check_invariants()
-    assert eng.stats["swap_outs"] > 0
+    assert eng.stats().swap_outs > 0
     for i, (rid, prompt) in enumerate(zip(ids, prompts)):
         assert eng.requests[rid].output_ids == expected(prompt, params(16, seed=i))
     assert_drained(eng)

@@ -394,14 +394,16 @@ def test_deadline_exceeded_frees_the_slot(served):
 
 
 def _inject_step_fault(engine) -> None:
-    """The engine's next step runs (state donated, request admitted), then raises."""
+    """The engine's next device step is dispatched (state donated, request admitted), then its
+    host wrapper raises: the engine must recover by itself and name the failed requests."""
+    core = engine.core
 
-    def faulty():
-        del engine.step  # back to the real method for later steps
-        type(engine).step(engine)
+    def faulty(*args):
+        del core.step  # back to the real method for later steps
+        type(core).step(core, *args)
         raise RuntimeError("injected fault")
 
-    engine.step = faulty
+    core.step = faulty
 
 
 def test_engine_fault_is_internal_then_recovers(served):
@@ -417,7 +419,7 @@ def test_engine_fault_is_internal_then_recovers(served):
     body = {"prompt": [21, 22, 23], "max_tokens": 4, "temperature": 0}
     r = httpx.post(served.http + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
-    assert "step" not in vars(engine)
+    assert "step" not in vars(engine.core)
     assert_drained(served)
     test_errors_leave_the_server_serving(served)
 

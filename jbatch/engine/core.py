@@ -1,8 +1,10 @@
 """The jit-able device API: ``insert``, ``step``, ``release`` over an :class:`EngineState`.
 
-All three are pure functions of (params, state, small fixed-shape inputs). ``EngineCore`` wraps
-them in ``jax.jit`` with the state donated, so the KV pool is updated in place; users may also call
-the pure functions inside their own ``jax.jit`` / ``lax.scan`` (see ``tests/test_engine_core.py``).
+All three are pure functions of (params, state, small fixed-shape inputs); ``engine_step``
+chains them (release, insert, step) into what the engine runs as one program per step.
+``EngineCore`` (``engine_core.py``) jits that with the state donated, so the KV pool is updated in
+place; users may also call the pure functions inside their own ``jax.jit`` / ``lax.scan`` (see
+``tests/test_engine_core.py``).
 
 One step:
 1. apply page-table writes (pages the host allocated for this step);
@@ -16,21 +18,16 @@ One step:
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Bool, Float, Int32
+from jaxtyping import Array, Bool, Float, Int32, Shaped
 
-from jbatch.engine import buckets, swap
+from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.sampler import SlotSampling, sample
-from jbatch.engine.state import EngineState, init_state
+from jbatch.engine.state import EngineState
 from jbatch.models.config import ModelConfig
 from jbatch.models.llama import compute_logits, forward
 
@@ -150,9 +147,24 @@ class StepOutput:
     sampled: Bool[Array, " slots"]
     logprobs: Float[Array, " slots"]  # log-probability of the sampled token (raw model)
 
+    def packed(self) -> Int32[Array, "3 slots"]:
+        """All three in one int32 array (one device-to-host copy): tokens, sampled, logprob
+        bits; :func:`unpack_output` reads it on the host."""
+        bits = jax.lax.bitcast_convert_type(self.logprobs.astype(jnp.float32), jnp.int32)
+        return jnp.stack([self.tokens, self.sampled.astype(jnp.int32), bits])
+
+
+def unpack_output(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host side of :meth:`StepOutput.packed`: (tokens [S], sampled [S], logprobs [S])."""
+    packed = np.asarray(packed)
+    return packed[0], packed[1].astype(bool), packed[2].view(np.float32)
+
 
 def insert(state: EngineState, ins: SlotInsert) -> EngineState:
-    """Start new sequences in the masked slots: reset their rows, set their parameters."""
+    """Start new sequences in the masked slots: reset their rows, set their parameters.
+
+    Per-slot rows are selected with ``where`` (O(slots)); the vocab-wide penalty rows are
+    zeroed only for the inserted slots (O(inserted x vocab): nothing when none is inserted)."""
     m = ins.mask
     pick = lambda new, old: jnp.where(m.reshape(m.shape + (1,) * (old.ndim - 1)), new, old)
     return state.replace(
@@ -165,9 +177,18 @@ def insert(state: EngineState, ins: SlotInsert) -> EngineState:
         num_generated=pick(ins.num_generated, state.num_generated),
         max_tokens=pick(ins.max_tokens, state.max_tokens),
         sampling=jax.tree.map(pick, ins.sampling, state.sampling),
-        prompt_mask=pick(False, state.prompt_mask),
-        output_counts=pick(0, state.output_counts),
+        prompt_mask=_zero_rows(state.prompt_mask, m),
+        output_counts=_zero_rows(state.output_counts, m),
     )
+
+
+def _zero_rows(x: Shaped[Array, "slots vocab"], mask: Bool[Array, " slots"]):
+    """``x`` with the masked rows zeroed, one row write per masked slot."""
+    s = mask.shape[0]
+    rows = jnp.nonzero(mask, size=s, fill_value=s)[0]  # [S] masked slots first
+    zero = jnp.zeros((1, x.shape[1]), x.dtype)
+    body = lambda i, x: jax.lax.dynamic_update_slice(x, zero, (rows[i], 0))
+    return jax.lax.fori_loop(0, jnp.sum(mask), body, x)
 
 
 def release(state: EngineState, mask: Bool[Array, " slots"]) -> EngineState:
@@ -262,135 +283,16 @@ def step(
     return new_state, StepOutput(tokens=new_tok, sampled=sampled, logprobs=logprobs)
 
 
-@dataclasses.dataclass
-class EngineCore:
-    """The device functions jitted once for one (model, engine config), state donated.
-
-    With a ``mesh`` (a ``(1, tp)`` mesh of :mod:`jbatch.parallel`) the same functions are jitted
-    with explicit in/out shardings: the KV pool split over KV heads, every other state field and
-    every host input replicated; params (placed as :func:`jbatch.parallel.sharding.param_specs`
-    says) keep their own shardings. XLA's
-    SPMD partitioner splits the matmuls; attention runs per shard under ``shard_map``
-    (:mod:`jbatch.parallel.attention`). ``model_cfg`` is then the sharded model's config (KV
-    heads replicated when ``tp`` exceeds them).
-    """
-
-    model_cfg: ModelConfig
-    cfg: EngineConfig
-    mesh: Mesh | None = None
-
-    def __post_init__(self):
-        step_fn = functools.partial(
-            step, model_cfg=self.model_cfg, block_q=self.cfg.block_q, attn_impl=self.cfg.attn_impl
-        )
-        self.host = jax.devices("cpu")[0]
-        if self.mesh is not None:
-            self._jit_sharded(step_fn)
-            return
-        self.step = jax.jit(step_fn, donate_argnums=1)
-        self.insert = jax.jit(insert, donate_argnums=0)
-        self.release = jax.jit(release, donate_argnums=0)
-        self.swap_out = jax.jit(swap.swap_out, donate_argnums=0)
-        self.swap_in = jax.jit(swap.swap_in, donate_argnums=0)
-        # The state lives committed on one device, so every program sees the same placement
-        # (a placement change would be a new cache key: a recompile). Swapped-out sequences
-        # wait in host RAM.
-        self.device = jax.devices()[0]
-        self._init = lambda: jax.device_put(init_state(self.model_cfg, self.cfg), self.device)
-        self.swapped_sharding = self.device
-
-    def _jit_sharded(self, step_fn) -> None:
-        from jbatch.checkpoint import expected_param_shapes
-        from jbatch.parallel.attention import sharded_attention
-        from jbatch.parallel.sharding import param_shardings, replicated, state_shardings
-
-        mesh, rep = self.mesh, replicated(self.mesh)
-        self.device = rep
-        init = functools.partial(init_state, self.model_cfg, self.cfg)
-        st = state_shardings(mesh, jax.eval_shape(init))
-        pages = self.unused_pages()
-        saved = state_shardings(mesh, jax.eval_shape(lambda: swap.swap_out(init(), 0, pages)[1]))
-        self.param_shardings = param_shardings(mesh, expected_param_shapes(self.model_cfg))
-        self.state_shardings, self.swapped_sharding = st, saved
-        head = self.param_shardings.get("lm_head", self.param_shardings["embed"])
-        vocab_split = NamedSharding(mesh, P(None, *head.spec[:1]))  # the logits' [S, V] split
-        self._init = jax.jit(init, out_shardings=st)
-        self.step = jax.jit(
-            functools.partial(
-                step_fn, logits_shardings=(vocab_split, rep), attention=sharded_attention(mesh)
-            ),
-            # Params keep the shardings they were placed with (``param_specs``; whatever their
-            # layout), the state and every host input are pinned.
-            in_shardings=(None, st, rep),
-            out_shardings=(st, rep),
-            donate_argnums=1,
-        )
-        self.insert = jax.jit(insert, in_shardings=(st, rep), out_shardings=st, donate_argnums=0)
-        self.release = jax.jit(release, in_shardings=(st, rep), out_shardings=st, donate_argnums=0)
-        self.swap_out = jax.jit(
-            swap.swap_out, in_shardings=(st, rep, rep), out_shardings=(st, saved), donate_argnums=0
-        )
-        self.swap_in = jax.jit(
-            swap.swap_in, in_shardings=(st, rep, rep, saved), out_shardings=st, donate_argnums=0
-        )
-        if jax.process_count() > 1:  # the host reads its own copy of the replicated outputs
-            sharded_step = self.step
-            local = lambda a: a.addressable_shards[0].data
-            self.step = lambda *args: _map_second(sharded_step(*args), local)
-
-    def unused_pages(self) -> np.ndarray:
-        """A page list of only padding (``num_pages``), the shape swap functions take."""
-        return np.full(self.cfg.max_pages_per_seq, self.cfg.num_pages, np.int32)
-
-    def init_state(self) -> EngineState:
-        return self._init()
-
-    def to_host(self, saved: swap.SwappedSlot) -> swap.SwappedSlot:
-        if self.mesh is not None:  # each local shard to host RAM (no gather, no compile)
-            return jax.tree.map(_HostShards.of, saved)
-        return saved if self.host == self.device else jax.device_put(saved, self.host)
-
-    def to_device(self, saved: swap.SwappedSlot) -> swap.SwappedSlot:
-        if self.mesh is not None:
-            return jax.tree.map(lambda h, s: h.to_device(s), saved, self.swapped_sharding)
-        return jax.device_put(saved, self.device)
-
-    def empty_insert(self) -> SlotInsert:
-        return build_empty_insert(self.cfg)
-
-    def warmup(self, params: dict, state: EngineState) -> EngineState:
-        """Compile every program the engine will ever run (one ``step`` per bucket pair)."""
-        state = self.insert(state, self.empty_insert())
-        state = self.release(state, np.zeros(self.cfg.max_slots, bool))
-        if self.cfg.preemption_mode != "recompute":
-            state, saved = self.swap_out(state, np.int32(0), self.unused_pages())
-            saved = self.to_device(self.to_host(saved))  # the round trip a swap makes
-            state = self.swap_in(state, np.int32(0), self.unused_pages(), saved)
-            state = self.release(state, np.ones(self.cfg.max_slots, bool))
-        for rows in buckets.prefill_buckets(self.cfg):
-            for decode_rows in buckets.decode_buckets(self.cfg):
-                batch = StepBatch.empty(self.cfg, rows, decode_rows)
-                state, out = self.step(params, state, batch)
-        jax.block_until_ready(out)
-        return state
-
-
-def _map_second(pair, fn):
-    first, second = pair
-    return first, jax.tree.map(fn, second)
-
-
-@dataclasses.dataclass
-class _HostShards:
-    """A sharded array's process-local shards in host RAM (one swapped-out KV buffer or row)."""
-
-    shape: tuple[int, ...]
-    shards: list[tuple[jax.Device, np.ndarray]]
-
-    @classmethod
-    def of(cls, a: jax.Array) -> _HostShards:
-        return cls(a.shape, [(s.device, np.asarray(s.data)) for s in a.addressable_shards])
-
-    def to_device(self, sharding: NamedSharding) -> jax.Array:
-        bufs = [jax.device_put(x, d) for d, x in self.shards]
-        return jax.make_array_from_single_device_arrays(self.shape, sharding, bufs)
+def engine_step(
+    params: dict,
+    state: EngineState,
+    release_mask: Bool[Array, " slots"],
+    ins: SlotInsert,
+    batch: StepBatch,
+    **step_kwargs,
+) -> tuple[EngineState, StepOutput]:
+    """Everything one engine step does on the device, in order: retire the ``release_mask``
+    slots, start the ``ins`` sequences, then :func:`step` (``step_kwargs`` are its keywords).
+    ``EngineCore`` compiles this as the engine's one program per bucket pair."""
+    state = insert(release(state, release_mask), ins)
+    return step(params, state, batch, **step_kwargs)

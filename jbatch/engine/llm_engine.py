@@ -1,14 +1,18 @@
-"""LLMEngine: requests in, token streams out, one device step per ``step()`` call.
+"""LLMEngine: requests in, token streams out, one device dispatch per ``step()`` call.
 
 Data flow of one ``step()``:
 1. The scheduler plans step N from the host mirror of the device state (admissions, prompt
    chunks, decodes, pages; preemptions if the pool is full).
-2. Slots freed since the last step are released, new sequences inserted, and step N is
-   dispatched — asynchronously: JAX returns at once while the device works.
-3. Only then are step N-1's sampled tokens fetched (the device is already busy with step N), so
-   detokenizing, stop checks and output building overlap device work. Finished sequences give
+2. The batch builder writes the plan into one packed input; step N is dispatched as one
+   program (slots freed since the last step are released, new requests inserted, the model
+   runs) — asynchronously: JAX returns at once while the device works, and the copy of the
+   step's packed result to the host is started right away. Swaps, on the steps that have any,
+   are separate programs before (out) and after (in) it.
+3. Only then are step N-1's sampled tokens read (the device is already busy with step N), so
+   detokenizing, stop checks and output building overlap device work. Finished requests give
    their slot and pages back to the scheduler immediately, for step N+1.
-4. The outputs (one ``RequestOutput`` per request that got tokens) are returned to the caller.
+4. The outputs — deltas, one ``RequestOutput`` per request that got tokens (O(1) host work per
+   token) — are returned to the caller.
 
 A token sampled in step N for a sequence that step N-1 finished (found only in step 3) is
 dropped: the cost of overlap is at most one wasted row per finishing sequence.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import secrets
 import time
 from collections.abc import Sequence as Seq
@@ -27,17 +32,28 @@ import numpy as np
 
 from jbatch.engine import batch_builder, stop_checker
 from jbatch.engine.config import EngineConfig
-from jbatch.engine.core import EngineCore, StepOutput
+from jbatch.engine.engine_core import EngineCore
+from jbatch.engine.interface import EngineStats, StepFailed
 from jbatch.engine.request import Request, RequestStatus
 from jbatch.engine.scheduler import Scheduler, SchedulerOutput
 from jbatch.models.config import ModelConfig
 from jbatch.models.llama import unstack_layers
-from jbatch.outputs import CompletionOutput, RequestOutput
+from jbatch.outputs import CompletionOutput, OutputKind, RequestOutput
 from jbatch.sampling_params import SamplingParams
 from jbatch.tokenizer import IncrementalDetokenizer, Tokenizer
 
+log = logging.getLogger(__name__)
+
+# Integer counters of ``EngineStats`` that the engine keeps itself.
+_COUNTERS = (
+    "steps", "dispatches", "tokens", "prompt_tokens", "decode_rows", "swap_outs",
+    "steps_while_queued", "busy_slots_while_queued",
+)  # fmt: skip
+
 
 class LLMEngine:
+    """Implements :class:`jbatch.engine.interface.EngineClient` on one device set."""
+
     def __init__(
         self,
         model_cfg: ModelConfig,
@@ -61,9 +77,10 @@ class LLMEngine:
             self.state = self.core.warmup(params, self.state)
         self.scheduler = Scheduler(cfg)
         self.requests: dict[str, Request] = {}
-        self._inflight: collections.deque[tuple[SchedulerOutput, StepOutput]] = collections.deque()
+        self._inflight: collections.deque[tuple[SchedulerOutput, object]] = collections.deque()
         self._ids = itertools.count()
-        self.stats = collections.Counter()  # steps, host_seconds, device_wait_seconds, tokens
+        self._failures = 0  # consecutive failed steps
+        self.counters: collections.Counter = collections.Counter()  # see EngineStats
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -73,8 +90,10 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        output_kind: OutputKind = OutputKind.DELTA,
     ) -> str:
-        """Validate and queue a request; raises ValueError naming the bad field and value."""
+        """Validate and queue a request; raises ValueError naming the bad field and value.
+        ``output_kind``: stream deltas every step (DELTA) or one whole output at the end."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -112,6 +131,7 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
             detokenizer=detok,
+            output_kind=OutputKind(output_kind),
         )
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -153,7 +173,26 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step (see the module doc). On failure the engine rebuilds its device state
+        and raises :class:`StepFailed` with an ``"error"`` output for each request that failed."""
         t0 = time.perf_counter()
+        try:
+            outputs = self._step()
+            self._failures = 0
+        except Exception as e:
+            self._failures += 1
+            log.exception("engine step failed; rebuilding the device state")
+            # Requests the device never saw stay queued, unless steps keep failing.
+            dropped = self._reset(requeue_waiting=self._failures < 2, reason="error")
+            error = f"engine step failed: {type(e).__name__}: {e}"
+            raise StepFailed(
+                [s.request_id for s in dropped], [self._error_output(s, error) for s in dropped], e
+            ) from e
+        finally:
+            self.counters["host_seconds"] += time.perf_counter() - t0
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         dispatched = self._dispatch(sched)
         keep = 1 if (dispatched and self.cfg.async_scheduling) else 0
@@ -164,38 +203,41 @@ class LLMEngine:
             self.scheduler.break_deadlock()  # prompts stuck without pages: free the newest
         if self.cfg.debug_checks:
             self.scheduler.check_invariants()
-        self.stats["host_seconds"] += time.perf_counter() - t0
         return outputs
 
     def _dispatch(self, sched: SchedulerOutput) -> bool:
-        """Device order: releases, swap-outs (before any reuse of their pages), inserts, the
-        step, then swap-ins (a swapped-in sequence takes part from the next step on)."""
-        cfg, core = self.cfg, self.core
-        if sched.releases:
-            self.state = core.release(self.state, batch_builder.release_mask(cfg, sched.releases))
+        """Device order: swap-outs (before any reuse of their slots and pages), then the one
+        step program (releases, inserts, the model step), then swap-ins (a swapped-in request
+        takes part from the next step on). Returns whether the step had model work."""
+        core, counters = self.core, self.counters
         for seq, slot, pages in sched.swap_outs:
-            self.state, saved = core.swap_out(self.state, np.int32(slot), self._pages(pages))
+            self.state, saved = core.swap_out(self.state, slot, self._pages(pages))
             seq.swapped = core.to_host(saved)
-            self.stats["swap_outs"] += 1
-        if sched.inserts:
-            self.state = core.insert(self.state, batch_builder.build_insert(cfg, sched.inserts))
-        dispatched = not sched.empty
-        if dispatched:
-            batch = batch_builder.build_step(cfg, sched)
-            self.state, out = core.step(self.params, self.state, batch)
-            self._inflight.append((sched, out))
+            counters["swap_outs"] += 1
+            counters["dispatches"] += 1
+        work = not sched.empty
+        # Releases may wait for the next step (a released slot is never listed to decode), but
+        # must land before a swap-in reuses their slot; inserts go out now.
+        if work or sched.inserts or (sched.releases and sched.swap_ins):
+            inp = batch_builder.build_step_input(self.cfg, core, sched)
+            self.state, handle = core.step(self.params, self.state, inp)
+            self._inflight.append((sched, handle))
+            counters["dispatches"] += 1
+        elif sched.releases:
+            self.scheduler.pending_releases += sched.releases
         for seq, slot, pages in sched.swap_ins:
             saved = core.to_device(seq.swapped)
-            self.state = core.swap_in(self.state, np.int32(slot), self._pages(pages), saved)
+            self.state = core.swap_in(self.state, slot, self._pages(pages), saved)
             seq.swapped = None
-        if not dispatched:
+            counters["dispatches"] += 1
+        if not work:
             return False
-        self.stats["steps"] += 1
-        self.stats["decode_rows"] += len(sched.decodes)
+        counters["steps"] += 1
+        counters["decode_rows"] += len(sched.decodes)
         if self.scheduler.waiting:  # slot utilization while requests queue for a slot
-            self.stats["steps_while_queued"] += 1
-            self.stats["busy_slots_while_queued"] += len(self.scheduler.running)
-        self.stats["prompt_tokens"] += sum(len(c.token_ids) for c in sched.chunks)
+            counters["steps_while_queued"] += 1
+            counters["busy_slots_while_queued"] += len(self.scheduler.running)
+        counters["prompt_tokens"] += sum(len(c.token_ids) for c in sched.chunks)
         return True
 
     def _pages(self, pages: list[int]) -> np.ndarray:
@@ -203,10 +245,13 @@ class LLMEngine:
         padded[: len(pages)] = pages
         return padded
 
-    def _process(self, sched: SchedulerOutput, out: StepOutput) -> list[RequestOutput]:
+    def _process(self, sched: SchedulerOutput, handle) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs)
-        self.stats["device_wait_seconds"] += time.perf_counter() - t0
+        result = self.core.fetch(handle)
+        self.counters["device_wait_seconds"] += time.perf_counter() - t0
+        if not sched.samplers:
+            return []
+        tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
         now = time.monotonic()
         results = []
         for seq, slot in sched.samplers:
@@ -215,37 +260,71 @@ class LLMEngine:
                 continue  # finished by an earlier step's token, or aborted
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self.stats["tokens"] += 1
-            done = stop_checker.append_token(seq, int(tokens[slot]), float(logprobs[slot]))
+            done = stop_checker.append_token(seq, tokens[slot], logprobs[slot])
             if done is not None:
                 self.scheduler.finish(seq, *done)
-            results.append(self._output(seq, delta_ids=[seq.output_ids[-1]]))
+            out = self._output(seq)
+            if out is not None:
+                results.append(out)
+        self.counters["tokens"] += len(sched.samplers)
         return results
 
-    def _output(self, seq: Request, delta_ids: list[int]) -> RequestOutput:
+    def _output(self, seq: Request) -> RequestOutput | None:
+        """This step's output for ``seq`` (None: a FINAL request still running). O(1) per token
+        for DELTA outputs; a FINAL output is assembled once, at the end."""
         finished = seq.finished
         delta_text = stop_checker.text_to_emit(seq, finished)
+        if seq.output_kind is OutputKind.FINAL:
+            if not finished:
+                return None
+            text, ids, logprobs = "".join(seq.text_chunks), list(seq.output_ids), list(seq.logprobs)
+        else:
+            text, ids, logprobs = delta_text, seq.output_ids[-1:], seq.logprobs[-1:]
         completion = CompletionOutput(
-            index=0,
-            text=seq.text[: seq.emitted_text_len],
-            token_ids=list(seq.output_ids),
-            cumulative_logprob=float(sum(seq.logprobs)),
-            logprobs=list(seq.logprobs),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
+            0, text, ids, seq.cumulative_logprob, logprobs, seq.finish_reason, seq.stop_reason,
+            len(seq.output_ids),
+        )  # fmt: skip
+        return RequestOutput(
+            seq.request_id, seq.prompt, seq.prompt_ids, [completion], finished, self._metrics(seq)
         )
+
+    @staticmethod
+    def _metrics(seq: Request) -> dict[str, float]:
         metrics = {"arrival_time": seq.arrival_time, "num_preemptions": seq.num_preemptions}
         if seq.first_token_time is not None:
             metrics["first_token_time"] = seq.first_token_time
+        return metrics
+
+    def _error_output(self, seq: Request, error: str) -> RequestOutput:
+        """The final output of a request that failed with a step: what it had, then "error"."""
+        final = seq.output_kind is OutputKind.FINAL
+        text = "".join(seq.text_chunks) if final else ""
+        ids = list(seq.output_ids) if final else []
+        logprobs = list(seq.logprobs) if final else []
+        completion = CompletionOutput(
+            0, text, ids, seq.cumulative_logprob, logprobs, "error", None, len(seq.output_ids)
+        )
         return RequestOutput(
-            seq.request_id,
-            seq.prompt,
-            list(seq.prompt_ids),
-            [completion],
-            finished,
-            delta_ids,
-            delta_text,
-            metrics,
+            seq.request_id, seq.prompt, seq.prompt_ids, [completion], True, self._metrics(seq),
+            error=error,
+        )  # fmt: skip
+
+    def stats(self) -> EngineStats:
+        """A typed snapshot of the engine (what front ends and metrics read)."""
+        sched, alloc, c = self.scheduler, self.scheduler.allocator, self.counters
+        return EngineStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            total_slots=self.cfg.max_slots,
+            pages_used=alloc.num_used,
+            pages_cached=alloc.num_cached,
+            pages_total=alloc.num_pages,
+            prefix_cache_hits=alloc.hits,
+            prefix_cache_queries=alloc.queries,
+            preemptions=sched.num_preemptions,
+            **{name: c[name] for name in _COUNTERS},
+            host_seconds=c["host_seconds"],
+            device_wait_seconds=c["device_wait_seconds"],
         )
 
     POLICY_FIELDS = ("enable_prefix_caching", "aging_steps", "preemption_mode")
@@ -264,10 +343,13 @@ class LLMEngine:
         self.cfg, self.scheduler = new, Scheduler(new)
 
     def reset(self, requeue_waiting: bool = True) -> list[str]:
-        """Recover from a failed step (its donated device state may be gone): build a fresh
-        state and scheduler. Requests that never reached the device are requeued (unless
-        ``requeue_waiting`` is False); every other unfinished request is dropped. Returns the
-        dropped request ids."""
+        """Build a fresh device state and scheduler (after a failure: the donated state may be
+        gone). Requests that never reached the device are requeued (unless ``requeue_waiting``
+        is False); every other unfinished request is dropped (finish reason "abort"). Returns
+        the dropped request ids."""
+        return [seq.request_id for seq in self._reset(requeue_waiting, "abort")]
+
+    def _reset(self, requeue_waiting: bool, reason: str) -> list[Request]:
         self.state = self.core.init_state()
         self._inflight.clear()
         old, self.scheduler = self.scheduler, Scheduler(self.cfg)
@@ -279,21 +361,25 @@ class LLMEngine:
         dropped = []
         for rid, seq in list(self.requests.items()):
             if not seq.finished and id(seq) not in keep:
-                seq.status, seq.finish_reason = RequestStatus.FINISHED, "abort"
+                seq.status, seq.finish_reason = RequestStatus.FINISHED, reason
                 del self.requests[rid]
-                dropped.append(rid)
+                dropped.append(seq)
         return dropped
 
-    def forget(self, request_id: str) -> None:
-        """Drop a finished request's record."""
+    def forget(self, request_id: str) -> bool:
+        """Drop a finished request's record; False if the request is still unfinished."""
         seq = self.requests.get(request_id)
-        if seq is not None and seq.finished:
-            del self.requests[request_id]
+        if seq is not None and not seq.finished:
+            return False
+        self.requests.pop(request_id, None)
+        return True
 
-    def drain(self) -> None:
-        """Wait for in-flight steps (used before inspecting device state in tests)."""
+    def drain(self) -> list[RequestOutput]:
+        """Wait for in-flight steps (before inspecting device state in tests); their outputs."""
+        outputs = []
         while self._inflight:
-            self._process(*self._inflight.popleft())
+            outputs += self._process(*self._inflight.popleft())
+        return outputs
 
     def status_counts(self) -> dict[str, int]:
         return collections.Counter(s.status.value for s in self.requests.values())

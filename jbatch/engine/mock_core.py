@@ -16,6 +16,8 @@ import types
 import numpy as np
 
 from jbatch.engine.config import EngineConfig
+from jbatch.engine.engine_core import StepResult
+from jbatch.engine.step_input import StepInput, all_layouts
 
 
 def next_token(tokens, seed: int, step: int, sampled: bool, vocab: int) -> int:
@@ -52,10 +54,23 @@ class MockState:
 
 
 class MockCore:
-    """Same methods as EngineCore (init_state / warmup / insert / release / step)."""
+    """Same methods as EngineCore (init_state / warmup / new_input / step / fetch / swaps); the
+    step applies the packed input in the same order: release, insert, then the step."""
 
     def __init__(self, cfg: EngineConfig, vocab: int):
         self.cfg, self.vocab = cfg, vocab
+        self.layouts = all_layouts(cfg)
+
+    def new_input(self, rows: int, decode_rows: int) -> StepInput:
+        return self.layouts[(rows, decode_rows)].new()
+
+    def step(self, params, st: MockState, inp: StepInput):
+        release, ins, batch = inp.structured()
+        st = self.insert(self.release(st, release), ins)
+        return self._step(st, batch)
+
+    def fetch(self, out) -> StepResult:
+        return StepResult(out.tokens, out.sampled, out.logprobs)
 
     def init_state(self) -> MockState:
         s, c = self.cfg.max_slots, self.cfg
@@ -106,7 +121,7 @@ class MockCore:
         assert (tokens >= 0).all(), f"slot {slot} reads a position never written"
         return tokens.tolist()
 
-    def step(self, params, st: MockState, b):
+    def _step(self, st: MockState, b):
         s = self.cfg.max_slots
         for slot, idx, page in zip(b.write_slots, b.write_index, b.write_pages):
             if slot < s:

@@ -24,14 +24,18 @@ class OutOfPages(RuntimeError):
     """Not enough free pages; the scheduler waits or preempts."""
 
 
+def chain_hash(parent: bytes, page_tokens: Sequence[int]) -> bytes:
+    """Name of a full page: BLAKE2b (128 bits) over its parent page's name and its tokens."""
+    data = parent + np.asarray(page_tokens, np.int64).tobytes()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
 def page_hashes(token_ids: Sequence[int], page_size: int, limit: int) -> list[bytes]:
-    """Hash chain (BLAKE2b, 128 bits) of the full pages among the first ``limit`` tokens."""
+    """Hash chain of the full pages among the first ``limit`` tokens (from scratch; the
+    engine extends each request's chain incrementally, ``Request.page_hashes``)."""
     hashes, parent = [], b""
-    tokens = np.asarray(token_ids[:limit], np.int64)
     for start in range(0, limit - page_size + 1, page_size):
-        parent = hashlib.blake2b(
-            parent + tokens[start : start + page_size].tobytes(), digest_size=16
-        ).digest()
+        parent = chain_hash(parent, token_ids[start : start + page_size])
         hashes.append(parent)
     return hashes
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from jbatch.engine.page_allocator import chain_hash
+from jbatch.outputs import OutputKind
 from jbatch.sampling_params import SamplingParams
 from jbatch.tokenizer import IncrementalDetokenizer
 
@@ -29,14 +31,19 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 0
     detokenizer: IncrementalDetokenizer | None = None
+    output_kind: OutputKind = OutputKind.DELTA
 
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
-    text: str = ""  # detokenized output, stop strings removed
-    emitted_text_len: int = 0  # how much of ``text`` has been streamed
+    cumulative_logprob: float = 0.0
+    # Detokenized output not streamed yet: bounded by the longest stop string (held back in
+    # case it grows into one) plus the newest token's text. Streamed text is not kept, except
+    # for FINAL outputs, whose chunks are joined once at the end.
+    pending_text: str = ""
+    text_chunks: list[str] = dataclasses.field(default_factory=list)
     # Host mirror of the device counters, advanced when a step is *scheduled*.
     prefill_ids: list[int] = dataclasses.field(default_factory=list)  # prompt (+ outputs on resume)
     num_computed: int = 0  # tokens whose K/V the dispatched steps write (device seq_lens)
@@ -54,6 +61,14 @@ class Request:
     first_token_time: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Names of the stream's full pages (``hash_pages``), and how many of this admission's
+    # pages are registered in the prefix cache.
+    page_hash_chain: list[bytes] = dataclasses.field(default_factory=list, repr=False)
+    registered_pages: int = 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.params.uses_penalties
 
     @property
     def prefilling(self) -> bool:
@@ -69,15 +84,34 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     @property
-    def uses_penalties(self) -> bool:
-        p = self.params
-        return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: the sequence's token stream."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of the stream prompt + outputs (without concatenating both)."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    def hash_pages(self, limit: int, page_size: int) -> int:
+        """Extend ``page_hash_chain`` over the full pages among the first ``limit`` tokens of the
+        stream and return their count. Each page is hashed once per request, from its parent's
+        name, so the cost is O(new pages), not O(length)."""
+        chain = self.page_hash_chain
+        for start in range(len(chain) * page_size, limit - page_size + 1, page_size):
+            parent = chain[-1] if chain else b""
+            chain.append(chain_hash(parent, self.tokens(start, start + page_size)))
+        return limit // page_size
 
     def resume(self, slot: int, admitted_at: int, pages: list[int]) -> None:
         """Re-admit a swapped-out sequence into fresh ``pages``; its counters are unchanged."""
         self.status = RequestStatus.RUNNING
         self.slot, self.admitted_at, self.pages = slot, admitted_at, list(pages)
-        self.swapped_pages = 0
+        self.swapped_pages = self.registered_pages = 0
 
     def start(self, slot: int, admitted_at: int, cached_pages: list[int], page_size: int) -> None:
         """Admit into ``slot``: prefill the prompt plus any outputs from before a preemption,
@@ -87,5 +121,6 @@ class Request:
         self.admitted_at = admitted_at
         self.prefill_ids = self.prompt_ids + self.output_ids
         self.pages = list(cached_pages)
+        self.registered_pages = len(cached_pages)  # found in the cache: registered already
         self.num_computed = self.num_cached_tokens = len(cached_pages) * page_size
         self.num_sampled = len(self.output_ids)

@@ -22,7 +22,7 @@ import dataclasses
 
 from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
-from jbatch.engine.page_allocator import PageAllocator, page_hashes
+from jbatch.engine.page_allocator import PageAllocator
 from jbatch.engine.request import Request, RequestStatus
 from jbatch.engine.waiting_queue import WaitingQueue
 
@@ -151,18 +151,20 @@ class Scheduler:
         # output counts live on the device), so such requests do not *reuse* cached pages.
         return self.cfg.enable_prefix_caching and not seq.uses_penalties
 
-    def _register_full_pages(self, seq: Request, tokens: list[int], upto: int) -> None:
-        """Name every full page of ``seq`` holding tokens < ``upto`` in the prefix cache."""
+    def _register_full_pages(self, seq: Request, upto: int) -> None:
+        """Name every full page of ``seq`` holding stream tokens < ``upto`` in the prefix cache
+        (only pages not registered yet: O(new pages))."""
         if not self.cfg.enable_prefix_caching:
             return
-        limit = min(upto, len(seq.pages) * self.cfg.page_size)
-        for page, h in zip(seq.pages, page_hashes(tokens, self.cfg.page_size, limit)):
-            self.allocator.register(page, h)
+        page = self.cfg.page_size
+        n = seq.hash_pages(min(upto, len(seq.pages) * page), page)
+        for i in range(seq.registered_pages, n):
+            self.allocator.register(seq.pages[i], seq.page_hash_chain[i])
+        seq.registered_pages = max(seq.registered_pages, n)
 
     def _cache_generated_pages(self, seq: Request) -> None:
         # Tokens whose K/V are surely written: all but the last output (it was never fed back).
-        tokens = seq.prompt_ids + seq.output_ids
-        self._register_full_pages(seq, tokens, min(len(tokens) - 1, seq.num_computed))
+        self._register_full_pages(seq, min(seq.num_tokens - 1, seq.num_computed))
 
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -213,7 +215,7 @@ class Scheduler:
         seq.num_computed += n
         if seq.first_scheduled_step is None:
             seq.first_scheduled_step = self.num_steps
-        self._register_full_pages(seq, seq.prefill_ids, seq.num_computed)
+        self._register_full_pages(seq, seq.num_computed)
         if chunk.completes_prompt:
             out.samplers.append((seq, seq.slot))
             seq.num_sampled += 1
@@ -247,8 +249,8 @@ class Scheduler:
                 continue
             cached = []
             if self._cacheable(seq):
-                ids = seq.prompt_ids + seq.output_ids
-                cached = self.allocator.lookup(page_hashes(ids, self.cfg.page_size, len(ids) - 1))
+                n = seq.hash_pages(seq.num_tokens - 1, self.cfg.page_size)
+                cached = self.allocator.lookup(seq.page_hash_chain[:n])
             if self.allocator.num_free == 0 and not cached:
                 break  # the head of the queue waits for pages; nobody overtakes it
             self.waiting.remove(seq)

@@ -1,8 +1,14 @@
-"""Host-side stop conditions and text streaming for one sequence's new token."""
+"""Host-side stop conditions and text streaming for one request's new token.
+
+Text is handled in O(1) per token: only ``Request.pending_text`` (not yet streamed) is searched
+for stop strings. Streamed text can never hold the start of a match: while running, the last
+``len(longest stop) - 1`` characters are always held back.
+"""
 
 from __future__ import annotations
 
 from jbatch.engine.request import Request
+from jbatch.outputs import OutputKind
 
 
 def append_token(seq: Request, token: int, logprob: float) -> tuple[str, int | str] | None:
@@ -14,31 +20,30 @@ def append_token(seq: Request, token: int, logprob: float) -> tuple[str, int | s
     p = seq.params
     seq.output_ids.append(token)
     seq.logprobs.append(logprob)
+    seq.cumulative_logprob += logprob
     if token in p.stop_token_ids:
         return "stop", token
     if not p.ignore_eos and token in seq.eos_ids:
         return "stop", token
     if seq.detokenizer is not None:
-        seq.text += seq.detokenizer.add_tokens([token])
+        seq.pending_text += seq.detokenizer.add_tokens([token])
         if p.stop:
-            hit = _find_stop(seq.text, p.stop, window=len(seq.text) - seq.emitted_text_len)
+            hit = _find_stop(seq.pending_text, p.stop)
             if hit is not None:
                 at, stop = hit
-                seq.text = (
-                    seq.text[: at + len(stop)] if p.include_stop_str_in_output else (seq.text[:at])
-                )
+                end = at + len(stop) if p.include_stop_str_in_output else at
+                seq.pending_text = seq.pending_text[:end]
                 return "stop", stop
     if len(seq.output_ids) >= seq.max_tokens:
         return "length", None
     return None
 
 
-def _find_stop(text: str, stops: tuple[str, ...], window: int) -> tuple[int, str] | None:
-    """Earliest stop string that ends in the last ``window`` characters of ``text``."""
+def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """Earliest stop string in ``text``."""
     best = None
     for stop in stops:
-        start = max(0, len(text) - window - len(stop) + 1)
-        at = text.find(stop, start)
+        at = text.find(stop)
         if at != -1 and (best is None or at < best[0]):
             best = (at, stop)
     return best
@@ -51,11 +56,12 @@ def text_to_emit(seq: Request, finished: bool) -> str:
         return ""
     if finished:
         if seq.finish_reason == "length" or seq.stop_reason is None:
-            seq.text += seq.detokenizer.flush()
-        end = len(seq.text)
+            seq.pending_text += seq.detokenizer.flush()
+        end = len(seq.pending_text)
     else:
         hold = max((len(s) - 1 for s in seq.params.stop), default=0)
-        end = max(seq.emitted_text_len, len(seq.text) - hold)
-    delta = seq.text[seq.emitted_text_len : end]
-    seq.emitted_text_len = end
+        end = max(0, len(seq.pending_text) - hold)
+    delta, seq.pending_text = seq.pending_text[:end], seq.pending_text[end:]
+    if seq.output_kind is OutputKind.FINAL and delta:
+        seq.text_chunks.append(delta)
     return delta

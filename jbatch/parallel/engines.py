@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 
 from jbatch.engine.config import EngineConfig
-from jbatch.engine.core import EngineCore
+from jbatch.engine.engine_core import EngineCore
 from jbatch.engine.llm_engine import LLMEngine
 from jbatch.models.config import ModelConfig
 from jbatch.parallel.loading import load_params_sharded

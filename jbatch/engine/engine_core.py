@@ -1,0 +1,203 @@
+"""EngineCore: the device functions of ``core.py`` jitted once per engine, state donated.
+
+One engine step is **one dispatch**: ``core.engine_step`` (release, insert, step) compiled per
+(prefill bucket, decode bucket) pair, fed by one packed :class:`StepInput` (``step_input.py``),
+returning the new state and one packed ``[3, slots]`` int32 result (tokens, sampled flags,
+logprob bits) whose device-to-host copy starts right after dispatch. Swaps stay separate
+programs that run only on the steps that swap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Int32
+
+from jbatch.engine import swap
+from jbatch.engine.config import EngineConfig
+from jbatch.engine.core import engine_step, unpack_output
+from jbatch.engine.state import EngineState, init_state
+from jbatch.engine.step_input import StepInput, StepInputLayout, all_layouts
+from jbatch.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """One step's results on the host (numpy, ``[slots]`` each)."""
+
+    tokens: np.ndarray
+    sampled: np.ndarray
+    logprobs: np.ndarray
+
+
+@dataclasses.dataclass
+class EngineCore:
+    """The engine's compiled programs for one (model, engine config).
+
+    With a ``mesh`` (a ``(1, tp)`` mesh of :mod:`jbatch.parallel`) the same functions are jitted
+    with explicit in/out shardings: the KV pool split over KV heads, every other state field and
+    every host input replicated; params (placed as :func:`jbatch.parallel.sharding.param_specs`
+    says) keep their own shardings. XLA's SPMD partitioner splits the matmuls; attention runs
+    per shard under ``shard_map`` (:mod:`jbatch.parallel.attention`). ``model_cfg`` is then the
+    sharded model's config (KV heads replicated when ``tp`` exceeds them).
+    """
+
+    model_cfg: ModelConfig
+    cfg: EngineConfig
+    mesh: Mesh | None = None
+
+    def __post_init__(self):
+        self.host = jax.devices("cpu")[0]
+        self.layouts = all_layouts(self.cfg)
+        self.dispatches = 0  # jitted calls made by step / swap_out / swap_in
+        self._multiprocess = jax.process_count() > 1
+        step_kwargs = dict(
+            model_cfg=self.model_cfg, block_q=self.cfg.block_q, attn_impl=self.cfg.attn_impl
+        )
+        if self.mesh is not None:
+            self._jit_sharded(step_kwargs)
+        else:
+            self._jit_single(step_kwargs)
+
+    # ---- compiling -----------------------------------------------------------------------------
+    def _packed_step(self, layout: StepInputLayout, **step_kwargs):
+        def run(params, state, ints, floats):
+            state, out = engine_step(params, state, *layout.unpack(ints, floats), **step_kwargs)
+            return state, out.packed()
+
+        return run
+
+    def _jit_single(self, step_kwargs: dict) -> None:
+        jit = lambda layout: jax.jit(self._packed_step(layout, **step_kwargs), donate_argnums=1)
+        self._steps = {key: jit(layout) for key, layout in self.layouts.items()}
+        self._swap_out = jax.jit(swap.swap_out, donate_argnums=0)
+        self._swap_in = jax.jit(swap.swap_in, donate_argnums=0)
+        # The state lives committed on one device, so every program sees the same placement
+        # (a placement change would be a new cache key: a recompile). Swapped-out sequences
+        # wait in host RAM.
+        self.device = jax.devices()[0]
+        self._init = lambda: jax.device_put(init_state(self.model_cfg, self.cfg), self.device)
+        self.swapped_sharding = self.device
+
+    def _jit_sharded(self, step_kwargs: dict) -> None:
+        from jbatch.checkpoint import expected_param_shapes
+        from jbatch.parallel.attention import sharded_attention
+        from jbatch.parallel.sharding import param_shardings, replicated, state_shardings
+
+        mesh, rep = self.mesh, replicated(self.mesh)
+        self.device = rep
+        init = functools.partial(init_state, self.model_cfg, self.cfg)
+        st = state_shardings(mesh, jax.eval_shape(init))
+        pages = self.unused_pages()
+        saved = state_shardings(mesh, jax.eval_shape(lambda: swap.swap_out(init(), 0, pages)[1]))
+        self.param_shardings = param_shardings(mesh, expected_param_shapes(self.model_cfg))
+        self.state_shardings, self.swapped_sharding = st, saved
+        head = self.param_shardings.get("lm_head", self.param_shardings["embed"])
+        vocab_split = NamedSharding(mesh, P(None, *head.spec[:1]))  # the logits' [S, V] split
+        self._init = jax.jit(init, out_shardings=st)
+        step_kwargs = dict(
+            step_kwargs, logits_shardings=(vocab_split, rep), attention=sharded_attention(mesh)
+        )
+        # Params keep the shardings they were placed with (``param_specs``; whatever their
+        # layout), the state and every host input are pinned.
+        jit = lambda layout: jax.jit(
+            self._packed_step(layout, **step_kwargs),
+            in_shardings=(None, st, rep, rep),
+            out_shardings=(st, rep),
+            donate_argnums=1,
+        )
+        self._steps = {key: jit(layout) for key, layout in self.layouts.items()}
+        self._swap_out = jax.jit(
+            swap.swap_out, in_shardings=(st, rep, rep), out_shardings=(st, saved), donate_argnums=0
+        )
+        self._swap_in = jax.jit(
+            swap.swap_in, in_shardings=(st, rep, rep, saved), out_shardings=st, donate_argnums=0
+        )
+
+    # ---- the engine's calls ----------------------------------------------------------------------
+    def new_input(self, rows: int, decode_rows: int) -> StepInput:
+        """Empty host inputs for a step of ``rows`` prompt rows and ``decode_rows`` decode rows."""
+        return self.layouts[(rows, decode_rows)].new()
+
+    def step(
+        self, params: dict, state: EngineState, inp: StepInput
+    ) -> tuple[EngineState, Int32[Array, "3 slots"]]:
+        """Dispatch one step (returns at once); the result's host copy is already under way."""
+        batch = inp.batch
+        key = (batch.prefill_tokens.shape[0], batch.decode_slots.shape[0])
+        state, packed = self._steps[key](params, state, inp.ints, inp.floats)
+        self.dispatches += 1
+        if self._multiprocess:  # the host reads its own copy of the replicated result
+            packed = packed.addressable_shards[0].data
+        packed.copy_to_host_async()
+        return state, packed
+
+    def fetch(self, packed: Int32[Array, "3 slots"]) -> StepResult:
+        """Wait for a dispatched step's results."""
+        return StepResult(*unpack_output(packed))
+
+    def lower_step(self, params: dict, state: EngineState, rows: int, decode_rows: int):
+        """The step program of one bucket pair, lowered (for inspecting the compiled HLO)."""
+        inp = self.new_input(rows, decode_rows)
+        return self._steps[(rows, decode_rows)].lower(params, state, inp.ints, inp.floats)
+
+    def swap_out(self, state: EngineState, slot: int, pages: np.ndarray):
+        self.dispatches += 1
+        return self._swap_out(state, np.int32(slot), pages)
+
+    def swap_in(self, state: EngineState, slot: int, pages: np.ndarray, saved) -> EngineState:
+        self.dispatches += 1
+        return self._swap_in(state, np.int32(slot), pages, saved)
+
+    def unused_pages(self) -> np.ndarray:
+        """A page list of only padding (``num_pages``), the shape swap functions take."""
+        return np.full(self.cfg.max_pages_per_seq, self.cfg.num_pages, np.int32)
+
+    def init_state(self) -> EngineState:
+        return self._init()
+
+    def to_host(self, saved: swap.SwappedSlot) -> swap.SwappedSlot:
+        if self.mesh is not None:  # each local shard to host RAM (no gather, no compile)
+            return jax.tree.map(_HostShards.of, saved)
+        return saved if self.host == self.device else jax.device_put(saved, self.host)
+
+    def to_device(self, saved: swap.SwappedSlot) -> swap.SwappedSlot:
+        if self.mesh is not None:
+            return jax.tree.map(lambda h, s: h.to_device(s), saved, self.swapped_sharding)
+        return jax.device_put(saved, self.device)
+
+    def warmup(self, params: dict, state: EngineState) -> EngineState:
+        """Compile every program the engine will ever run (one step per bucket pair)."""
+        if self.cfg.preemption_mode != "recompute":
+            state, saved = self.swap_out(state, 0, self.unused_pages())
+            saved = self.to_device(self.to_host(saved))  # the round trip a swap makes
+            state = self.swap_in(state, 0, self.unused_pages(), saved)
+        packed = None
+        for rows, decode_rows in self.layouts:
+            inp = self.new_input(rows, decode_rows)
+            inp.release[:] = True  # retire every slot: warm-up leaves none active
+            state, packed = self.step(params, state, inp)
+        jax.block_until_ready(packed)
+        self.dispatches = 0
+        return state
+
+
+@dataclasses.dataclass
+class _HostShards:
+    """A sharded array's process-local shards in host RAM (one swapped-out KV buffer or row)."""
+
+    shape: tuple[int, ...]
+    shards: list[tuple[jax.Device, np.ndarray]]
+
+    @classmethod
+    def of(cls, a: jax.Array) -> _HostShards:
+        return cls(a.shape, [(s.device, np.asarray(s.data)) for s in a.addressable_shards])
+
+    def to_device(self, sharding: NamedSharding) -> jax.Array:
+        bufs = [jax.device_put(x, d) for d, x in self.shards]
+        return jax.make_array_from_single_device_arrays(self.shape, sharding, bufs)

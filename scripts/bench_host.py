@@ -1,0 +1,176 @@
+"""Host time per engine step, dispatches per step, and O(1) host work per token.
+
+    python scripts/bench_host.py [--slots 32] [--out docs/bench_host]
+
+Three measurements (prints a table, writes OUT.json):
+1. **Demo model, ``--slots`` slots**, a long-tail workload through ``LLMEngine.step()``: wall time
+   per step, host time per step (``step()`` wall time minus the time it blocked on device
+   results, ``EngineStats.host_only_seconds``) and its share of the step, jitted dispatches per
+   step (``EngineStats.dispatches``; 1 = the one step program, swaps add their own).
+2. **Continuous vs static batching** on a random 2-layer, 64-wide Llama (vocab 384): 256
+   requests through 8 slots, 10% with 256-512 output tokens, the rest 4-32
+   (``bench_batching.py``'s workload and runner), against the step-count ceiling.
+3. **Host cost per token vs generation length** on the numpy ``MockCore`` (no device work):
+   one 4 000-token generation vs 100 40-token ones, host microseconds per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_batching import ideal_steps, make_workload, run
+
+from jbatch import LLM, SamplingParams
+from jbatch.demo import demo_model_path
+from jbatch.engine.config import EngineConfig
+from jbatch.engine.llm_engine import LLMEngine
+from jbatch.engine.mock_core import MockCore
+from jbatch.tiny_model import write_random_llama
+
+
+def demo_host_time(slots: int, requests: int, seed: int) -> dict:
+    llm = LLM(
+        str(demo_model_path()), max_slots=slots, num_pages=2048, max_seq_len=512,
+        max_num_batched_tokens=256,
+    )  # fmt: skip
+    eng = llm.engine
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, 500, rng.integers(16, 64)).tolist() for _ in range(requests)]
+    lens = np.clip(rng.lognormal(np.log(48), 0.8, requests), 8, 400).astype(int)
+    params = [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True) for n in lens]
+    llm.generate(prompts[:slots], params[:slots], use_tqdm=False)  # warm caches and the pool
+    before = eng.stats()
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = eng.stats()
+    steps = after.steps - before.steps
+    host = after.host_only_seconds - before.host_only_seconds
+    return {
+        "slots": slots,
+        "requests": requests,
+        "output_tokens": int(lens.sum()),
+        "steps": steps,
+        "wall_ms_per_step": 1e3 * wall / steps,
+        "host_ms_per_step": 1e3 * host / steps,
+        "host_share_of_step": host / wall,
+        "dispatches_per_step": (after.dispatches - before.dispatches) / steps,
+        "tok_per_s": int(lens.sum()) / wall,
+    }
+
+
+def continuous_vs_static(seed: int) -> dict:
+    model = write_random_llama(
+        "/tmp/jbatch-bench-2x64", vocab_size=384, hidden_size=64, intermediate_size=256,
+        num_layers=2, num_heads=4, num_kv_heads=2, tokenizer=False,
+    )  # fmt: skip
+    llm = LLM(model, max_slots=8, num_pages=1024, max_num_batched_tokens=256, max_seq_len=1024)
+    args = argparse.Namespace(
+        requests=256, long_frac=0.1, long_min=256, long_max=512, short_min=4, short_max=32,
+        prompt_min=8, prompt_max=64, seed=seed, vocab=384,
+    )  # fmt: skip
+    prompts, out_lens = make_workload(args)
+    run(llm, prompts[:16], out_lens[:16], static=False)  # warm-up
+    res = {m: run(llm, prompts, out_lens, static=(m == "static")) for m in ("static", "continuous")}
+    ideal_static, ideal_cont = ideal_steps(out_lens, 8)
+    speedup = res["continuous"]["output_tok_per_s"] / res["static"]["output_tok_per_s"]
+    for r in res.values():
+        r.pop("timeline")
+    return {"speedup": speedup, "ideal": ideal_static / ideal_cont, "results": res}
+
+
+def per_token_cost() -> dict:
+    """Host microseconds per generated token: one long generation vs many short ones."""
+    cfg = EngineConfig(max_slots=8, page_size=16, num_pages=1024, max_seq_len=8192)
+
+    def run_mock(prompts: int, tokens: int) -> float:
+        eng = LLMEngine(None, None, cfg, eos_token_ids=(2,), core=_FreeMock(cfg, 1000))
+        for i in range(prompts):
+            eng.add_request([5 + i, 6], SamplingParams(max_tokens=tokens, ignore_eos=True))
+        t0 = time.perf_counter()
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    eng.forget(out.request_id)
+        return 1e6 * (time.perf_counter() - t0) / (prompts * tokens)
+
+    short = float(np.median([run_mock(100, 40) for _ in range(3)]))
+    long = float(np.median([run_mock(1, 4000) for _ in range(3)]))
+    return {"us_per_token_40": short, "us_per_token_4000": long, "ratio": long / short}
+
+
+class _FreeMock(MockCore):
+    """A MockCore whose "model" costs nothing: O(1) per token (the real mock re-reads the whole
+    sequence each step), so only the engine's own host work is timed."""
+
+    def _step(self, st, b):
+        s = self.cfg.max_slots
+        for slot, idx, page in zip(b.write_slots, b.write_index, b.write_pages):
+            if slot < s:
+                st.page_tables[slot, idx] = page
+        listed = np.zeros(s + 1, bool)
+        listed[np.asarray(b.decode_slots)] = True
+        decode = st.active & (st.seq_lens >= st.prefill_lens) & (st.num_generated < st.max_tokens)
+        decode &= listed[:s]
+        sampled = decode.copy()
+        for slot, pos in zip(b.prefill_slots, b.prefill_positions):
+            if pos >= 0:
+                st.seq_lens[slot] = max(st.seq_lens[slot], pos + 1)
+                sampled[slot] |= pos == st.prefill_lens[slot] - 1
+        st.seq_lens[decode] += 1
+        new = np.where(sampled, 3 + (st.seq_lens * 7) % 900, 0)
+        st.tokens = np.where(sampled, new, st.tokens)
+        st.num_generated += sampled
+        out = argparse.Namespace(tokens=new, sampled=sampled, logprobs=np.zeros(s))
+        return st, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="docs/bench_host")
+    args = ap.parse_args()
+    demo = demo_host_time(args.slots, args.requests, args.seed)
+    batching = continuous_vs_static(args.seed)
+    tokens = per_token_cost()
+    print(f"\n1. demo model, {demo['slots']} slots, {demo['requests']} long-tail requests")
+    print(f"{'wall ms/step':>13} {'host ms/step':>13} {'host share':>11} {'dispatches/step':>16}")
+    print(
+        f"{demo['wall_ms_per_step']:13.2f} {demo['host_ms_per_step']:13.3f} "
+        f"{demo['host_share_of_step']:11.1%} {demo['dispatches_per_step']:16.2f}"
+    )
+    print("\n2. 2-layer 64-wide Llama, 256 requests, 8 slots (10% 256-512 tokens, rest 4-32)")
+    for mode, r in batching["results"].items():
+        tok_s, host = r["output_tok_per_s"], r["host_overhead_pct"]
+        print(f"   {mode:<11} {tok_s:8.0f} tok/s  host {host:.1f}%")
+    print(f"   continuous / static = {batching['speedup']:.2f}x (ceiling {batching['ideal']:.2f}x)")
+    print("\n3. host us per token (MockCore): "
+          f"40-token requests {tokens['us_per_token_40']:.1f}, one 4000-token request "
+          f"{tokens['us_per_token_4000']:.1f} (ratio {tokens['ratio']:.2f})")  # fmt: skip
+    summary = {
+        "command": "python scripts/bench_host.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": platform.platform(),
+        "demo": demo,
+        "continuous_vs_static": batching,
+        "per_token": tokens,
+    }
+    out = Path(args.out).with_suffix(".json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

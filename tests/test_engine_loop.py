@@ -1,0 +1,224 @@
+"""The engine loop's contract on the MockCore: one dispatch per step, O(1) host work per token,
+the packed step input, recovery from a failed step (engine, router, LLM, engine thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from jbatch import LLM, EngineConfig, LLMEngine, SamplingParams
+from jbatch.engine import request as request_module
+from jbatch.engine.interface import EngineClient, StepFailed
+from jbatch.engine.mock_core import MockCore, expected_tokens
+from jbatch.engine.step_input import StepInputLayout
+from jbatch.outputs import OutputKind
+from jbatch.parallel.router import ReplicaRouter
+from serving.engine_thread import EngineThread
+from serving.errors import ServingError, Status
+
+VOCAB = 97
+
+
+def mock_engine(**cfg_kwargs) -> LLMEngine:
+    cfg = EngineConfig(**{"block_q": 4, "page_size": 4, "num_pages": 64, "max_seq_len": 64,
+                          "max_slots": 4, **cfg_kwargs})  # fmt: skip
+    model_cfg = types.SimpleNamespace(vocab_size=VOCAB)
+    return LLMEngine(model_cfg, None, cfg, core=MockCore(cfg, VOCAB))
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def run_all(engine) -> dict[str, list[int]]:
+    """Step until idle; every request's tokens, rebuilt from the deltas."""
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    return tokens
+
+
+def test_engines_implement_the_interface():
+    eng = mock_engine()
+    assert isinstance(eng, EngineClient)
+    assert isinstance(ReplicaRouter([eng, mock_engine()]), EngineClient)
+
+
+def test_one_dispatch_per_step_and_per_swap():
+    eng = mock_engine(max_slots=3)
+    prompts = [[3 + i, 4 + i, 5 + i] for i in range(7)]
+    for p in prompts:
+        eng.add_request(p, greedy(6))
+    run_all(eng)
+    stats = eng.stats()
+    assert stats.steps > 7 and stats.dispatches == stats.steps and stats.swap_outs == 0
+
+    # A pool too small for everyone, swap preemption: each swap is one more dispatch.
+    eng = mock_engine(max_slots=3, num_pages=16, max_num_batched_tokens=8,
+                      preemption_mode="swap", enable_prefix_caching=False)  # fmt: skip
+    ids = {eng.add_request([3 + i] * 14, greedy(12)): [3 + i] * 14 for i in range(3)}
+    got = run_all(eng)
+    stats = eng.stats()
+    assert stats.swap_outs > 0
+    assert stats.dispatches == stats.steps + 2 * stats.swap_outs  # out, and in again
+    for rid, prompt in ids.items():
+        assert got[rid] == expected_tokens(prompt, 12, 0, False, VOCAB)
+
+
+def test_host_work_per_token_is_constant(monkeypatch):
+    """Deltas carry one token each, page hashing is incremental (each page hashed once), and
+    the text searched for stop strings stays bounded, whatever the generation length."""
+    calls = []
+    real = request_module.chain_hash
+    monkeypatch.setattr(request_module, "chain_hash", lambda *a: calls.append(1) or real(*a))
+    eng = mock_engine(max_slots=2, num_pages=600, max_seq_len=2048, max_num_batched_tokens=16)
+    rid = eng.add_request([5, 6, 7], greedy(2000))
+    n = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].num_tokens == n + 1
+            n += 1
+    assert n == 2000
+    pages = (3 + 2000) // 4
+    assert len(calls) <= pages + 1, f"{len(calls)} page hashes for {pages} pages"
+    assert eng.requests[rid].pending_text == ""
+
+
+def test_step_input_round_trip():
+    cfg = EngineConfig(max_slots=4, page_size=4, num_pages=32, max_seq_len=32, block_q=4,
+                       max_num_batched_tokens=16)  # fmt: skip
+    layout = StepInputLayout.for_bucket(cfg, 16, 4)
+    inp = layout.new()
+    inp.release[2] = True
+    inp.insert.mask[1] = True
+    inp.insert.page_tables[1, :3] = [7, 8, 9]
+    inp.insert.sampling.seed[1] = 2**32 - 5  # a uint32 beyond int32's range
+    inp.insert.sampling.temperature[1] = 0.7
+    inp.batch.decode_slots[:2] = [0, 3]
+    inp.batch.prefill_positions[:3] = [0, 1, 2]
+    release, ins, batch = inp.structured()
+    assert release.dtype == bool and release.tolist() == [False, False, True, False]
+    assert ins.mask.tolist() == [False, True, False, False]
+    assert ins.sampling.seed.dtype == np.uint32 and int(ins.sampling.seed[1]) == 2**32 - 5
+    # The jitted unpacking sees the same values; a fresh input holds only the defaults.
+    traced = jax.jit(layout.unpack)(inp.ints, inp.floats)
+    for a, b in zip(jax.tree.leaves(traced), jax.tree.leaves((release, ins, batch))):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    again = layout.new().structured()
+    assert not again[0].any() and not again[1].mask.any()
+    assert (again[2].decode_slots == cfg.max_slots).all()  # padding only
+
+
+def _break_next_steps(engine: LLMEngine, n: int = 1) -> None:
+    """The next ``n`` device steps are dispatched, then their host wrapper raises."""
+    core, left = engine.core, [n]
+
+    def faulty(*args):
+        type(core).step(core, *args)
+        left[0] -= 1
+        if left[0] == 0:
+            del core.step
+        raise RuntimeError("injected fault")
+
+    core.step = faulty
+
+
+def test_failed_step_fails_only_the_requests_on_the_device():
+    eng = mock_engine(max_slots=2)
+    running = [eng.add_request([3, 4, 5], greedy(8)) for _ in range(2)]
+    eng.step()
+    eng.step()
+    queued = eng.add_request([9, 10], greedy(5))  # waits: both slots are busy
+    _break_next_steps(eng)
+    with pytest.raises(StepFailed) as info:
+        eng.step()
+    failed = info.value
+    assert sorted(failed.failed) == sorted(running) and "injected fault" in str(failed)
+    assert all(o.finished and o.outputs[0].finish_reason == "error" for o in failed.outputs)
+    eng.scheduler.check_invariants()
+    assert run_all(eng) == {queued: expected_tokens([9, 10], 5, 0, False, VOCAB)}
+    assert eng.stats().pages_used == 0
+
+
+def test_router_failure_stays_on_its_replica():
+    a, b = mock_engine(), mock_engine()
+    router = ReplicaRouter([a, b])
+    ids = [router.add_request([3 + i, 4], greedy(6)) for i in range(4)]
+    on_a = [r for r in ids if router.replica_of(r) == 0]
+    router.step()
+    _break_next_steps(a)
+    with pytest.raises(StepFailed) as info:
+        router.step()
+    assert sorted(info.value.failed) == sorted(on_a)
+    assert any(o.request_id not in on_a and not o.outputs[0].finish_reason
+               for o in info.value.outputs)  # fmt: skip
+    got = run_all(router)
+    for r in ids:
+        if r not in on_a:
+            assert len(got[r]) + 1 == 6  # the token of the first step was consumed above
+
+
+def test_llm_generate_recovers_after_a_failed_step():
+    llm = LLM.__new__(LLM)  # an LLM over a mock engine (no checkpoint needed)
+    llm.engine = mock_engine(max_slots=2)
+    prompts = [[3 + i, 4] for i in range(5)]
+    _break_next_steps(llm.engine, 2)  # two in a row: the queued requests fail too
+    outs = llm.generate(prompts, greedy(4), use_tqdm=False)
+    reasons = [o.outputs[0].finish_reason for o in outs]
+    assert reasons.count("error") >= 2 and all(
+        o.error for o in outs if o.outputs[0].finish_reason == "error"
+    )
+    again = llm.generate(prompts, greedy(4), use_tqdm=False)  # the engine is usable again
+    for prompt, out in zip(prompts, again):
+        assert out.outputs[0].token_ids == expected_tokens(prompt, 4, 0, False, VOCAB)
+    assert llm.engine.stats().pages_used == 0 and not llm.engine.requests
+
+
+def test_final_outputs_only_at_the_end():
+    eng = mock_engine()
+    rid = eng.add_request([3, 4], greedy(5), output_kind=OutputKind.FINAL)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert len(outs) == 1 and outs[0].request_id == rid and outs[0].finished
+    assert outs[0].outputs[0].token_ids == expected_tokens([3, 4], 5, 0, False, VOCAB)
+
+
+def test_engine_thread_call_after_shutdown_fails_fast():
+    thread = EngineThread(mock_engine(), max_queue=8)
+    thread.start()
+    assert thread.call(lambda e: 7).result(5) == 7
+    thread.shutdown(timeout=5)
+    future = thread.call(lambda e: 7)
+    with pytest.raises(ServingError) as info:
+        future.result(1)  # answered at once, not after a timeout
+    assert info.value.status is Status.UNAVAILABLE
+
+
+def test_dead_consumer_aborts_its_request():
+    """A stream whose event loop has closed is aborted: its slot and pages come back."""
+    eng = mock_engine(max_slots=2)
+    thread = EngineThread(eng, max_queue=8)
+    thread.start()
+    try:
+        loop = asyncio.new_event_loop()
+
+        async def submit():
+            return thread.submit([3, 4, 5], greedy(60))
+
+        loop.run_until_complete(submit())
+        loop.close()  # the consumer is gone before reading anything
+        for _ in range(200):
+            if thread.num_outstanding == 0:
+                break
+            thread.call(lambda e: None).result(5)
+        assert thread.num_outstanding == 0
+        stats = thread.call(lambda e: e.stats()).result(5)
+        assert stats.running == 0 and stats.pages_used == 0
+    finally:
+        thread.shutdown(timeout=5)
