@@ -57,8 +57,12 @@ class GenerationService(pb_grpc.GenerationServicer):
             kind = request.WhichOneof("prompt")
             if kind is None:
                 raise ValueError("prompt is required: set text or token_ids")
-            prompt = request.text if kind == "text" else list(request.token_ids.ids)
-            stream = ctx.engine_thread_or_raise().submit(prompt, params, request.priority)
+            thread = ctx.engine_thread_or_raise()
+            if kind == "text":
+                prompt = await ctx.encode_prompt(request.text)
+            else:
+                prompt = list(request.token_ids.ids)
+            stream = thread.submit(prompt, params, request.priority)
         except ValueError as e:
             ctx.metrics.outcome(Status.INVALID_ARGUMENT.label)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

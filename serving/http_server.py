@@ -4,7 +4,7 @@ and Prometheus ``/metrics``.
 Beyond OpenAI's fields, requests accept every other SamplingParams field the ``http`` surface of
 ``jbatch.sampling_surfaces`` exposes (``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ...) and ``priority``; every choice carries the generated
-``token_ids``.
+``token_ids``. Text prompts are tokenized here, so the engine thread receives token ids.
 Errors are ``{"error": {"message", "type", "code"}}`` with the HTTP status of
 :class:`serving.errors.Status`.
 """
@@ -163,9 +163,11 @@ def build_app(ctx: ServingContext) -> FastAPI:
             messages = [_flatten_content(m) for m in req.messages]
             text = render_chat(ctx.tokenizer, messages, req.add_generation_prompt)
             # The template writes special tokens (BOS...) itself.
-            prompt = ctx.tokenizer.encode(text, add_special_tokens=False)
+            prompt = await ctx.encode_prompt(text, add_special_tokens=False)
         except ValueError as e:
             return _fail(ctx, Status.INVALID_ARGUMENT, str(e))
+        except ServingError as e:
+            return _fail(ctx, e.status, e.message)
         return await _generate(ctx, req, prompt, chat=True, raw=raw)
 
     return app
@@ -190,7 +192,10 @@ async def _generate(
 ) -> Response:
     try:
         params = req.sampling_params()
-        stream = ctx.engine_thread_or_raise().submit(prompt, params, req.priority)
+        thread = ctx.engine_thread_or_raise()
+        if isinstance(prompt, str):
+            prompt = await ctx.encode_prompt(prompt)  # the engine thread gets token ids only
+        stream = thread.submit(prompt, params, req.priority)
     except ValueError as e:
         return _fail(ctx, Status.INVALID_ARGUMENT, str(e))
     except ServingError as e:
