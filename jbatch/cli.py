@@ -1,7 +1,8 @@
 """The ``jbatch`` command line: ``generate``, ``make-tiny-model``, ``serve``, ``client``.
 
 Engine flags map one to one onto :class:`EngineConfig` fields (``--max-slots`` -> max_slots),
-sampling flags onto :class:`SamplingParams` fields.
+sampling flags onto :class:`SamplingParams` fields (those ``jbatch.sampling_surfaces`` exposes
+on the ``cli`` surface, with its defaults).
 """
 
 from __future__ import annotations
@@ -12,18 +13,8 @@ import sys
 import time
 
 from jbatch.engine.config import EngineConfig
-
-_SAMPLING_FLAGS = {
-    "max_tokens": (int, 64, "tokens to generate per prompt"),
-    "temperature": (float, 0.0, "0 = greedy"),
-    "top_p": (float, 1.0, "nucleus sampling mass"),
-    "top_k": (int, 0, "0 = off"),
-    "min_p": (float, 0.0, "drop tokens below min_p x the top probability"),
-    "repetition_penalty": (float, 1.0, "1 = off"),
-    "presence_penalty": (float, 0.0, "OpenAI-style presence penalty"),
-    "frequency_penalty": (float, 0.0, "OpenAI-style frequency penalty"),
-    "seed": (int, None, "per-request seed (reproducible sampling)"),
-}
+from jbatch.sampling_params import SamplingParams
+from jbatch.sampling_surfaces import surface_fields
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +28,41 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(
                 flag, type=kind, default=field.default, help=f"default: {field.default}"
             )
+
+
+def _add_sampling_flags(
+    parser: argparse.ArgumentParser, params_cls: type[SamplingParams] = SamplingParams
+) -> None:
+    """One flag per CLI-exposed SamplingParams field: ``--max-tokens``; a bool is
+    ``--ignore-eos/--no-ignore-eos``; a list field is a repeatable flag."""
+    group = parser.add_argument_group("sampling (SamplingParams fields)")
+    for field in surface_fields("cli", params_cls):
+        flag = "--" + field.surface_name.replace("_", "-")
+        kind = field.shape.kind
+        if field.shape.repeated:
+            group.add_argument(
+                flag, dest=field.name, action="append", type=kind, help=field.help + " (repeatable)"
+            )
+        elif kind is bool:
+            action = argparse.BooleanOptionalAction
+            group.add_argument(
+                flag, dest=field.name, action=action, default=field.default, help=field.help
+            )
+        else:
+            text = field.help if field.default is None else f"{field.help} (default: %(default)s)"
+            group.add_argument(flag, dest=field.name, type=kind, default=field.default, help=text)
+
+
+def _sampling_params(
+    args: argparse.Namespace, params_cls: type[SamplingParams] = SamplingParams
+) -> SamplingParams:
+    """SamplingParams from the flags of :func:`_add_sampling_flags` (ValueError naming a field)."""
+    kwargs = {}
+    for field in surface_fields("cli", params_cls):
+        value = getattr(args, field.name)
+        if not (field.shape.repeated and value is None):  # a list flag never given: the default
+            kwargs[field.name] = value
+    return params_cls(**kwargs)
 
 
 def _add_distributed_flags(parser: argparse.ArgumentParser) -> None:
@@ -89,10 +115,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--model", help="local Hugging Face checkpoint folder (default: the built-in demo model)"
     )
     gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
-    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
-    for name, (kind, default, text) in _SAMPLING_FLAGS.items():
-        gen.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
+    _add_sampling_flags(gen)
     _add_engine_flags(gen)
     _add_distributed_flags(gen)
 
@@ -145,10 +168,7 @@ def _build_parser() -> argparse.ArgumentParser:
     cli.add_argument("prompts", nargs="+", help="prompt strings")
     cli.add_argument("--target", default="127.0.0.1:50051", help="gRPC host:port")
     cli.add_argument("--timeout", type=float, default=None, help="deadline per request (s)")
-    cli.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    cli.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
-    for name, (kind, default, text) in _SAMPLING_FLAGS.items():
-        cli.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
+    _add_sampling_flags(cli)
     return parser
 
 
@@ -180,14 +200,9 @@ def _client(args: argparse.Namespace) -> int:
 
     import grpc
 
-    from jbatch import SamplingParams
     from serving.client import GenerationClient, finish_reason_name
 
-    params = SamplingParams(
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-        **{name: getattr(args, name) for name in _SAMPLING_FLAGS},
-    )
+    params = _sampling_params(args)
 
     async def run() -> int:
         async with GenerationClient(args.target) as client:
@@ -213,13 +228,9 @@ def _client(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from jbatch import LLM, SamplingParams
+    from jbatch import LLM
 
-    params = SamplingParams(
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-        **{name: getattr(args, name) for name in _SAMPLING_FLAGS},
-    )
+    params = _sampling_params(args)
     t0 = time.perf_counter()
     llm = LLM(_model_dir(args.model), **_engine_kwargs(args))
     print(f"[jbatch] engine ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)

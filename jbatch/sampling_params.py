@@ -17,6 +17,11 @@ SEED_LIMIT = 2**32  # seeds are stored as uint32 on the device
 GREEDY_EPS = 1e-5  # temperature below this means greedy (same constant as the device sampler)
 
 
+def _field(default: Any, help: str) -> Any:
+    """A dataclass field with its one-line ``help`` (the CLI shows it; jbatch.sampling_surfaces)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -35,23 +40,23 @@ class SamplingParams:
     tuple of ints after construction.
     """
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: str | Sequence[str] | None = None
-    stop_token_ids: Sequence[int] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    logprobs: int | None = None
+    n: int = _field(1, "completions per prompt")
+    temperature: float = _field(1.0, "0 = greedy")
+    top_p: float = _field(1.0, "nucleus sampling mass")
+    top_k: int = _field(0, "0 = off")
+    min_p: float = _field(0.0, "drop tokens below min_p x the top probability")
+    repetition_penalty: float = _field(1.0, "1 = off")
+    presence_penalty: float = _field(0.0, "OpenAI-style presence penalty")
+    frequency_penalty: float = _field(0.0, "OpenAI-style frequency penalty")
+    seed: int | None = _field(None, "per-request seed (reproducible sampling)")
+    max_tokens: int | None = _field(16, "tokens to generate per prompt")
+    min_tokens: int = _field(0, "tokens to generate before EOS / stop may end the output")
+    stop: str | Sequence[str] | None = _field(None, "stop string")
+    stop_token_ids: Sequence[int] | None = _field(None, "token id that ends the output")
+    ignore_eos: bool = _field(False, "keep going past EOS")
+    include_stop_str_in_output: bool = _field(False, "keep the matched stop string in the text")
+    skip_special_tokens: bool = _field(True, "leave special tokens out of the text")
+    logprobs: int | None = _field(None, "log-probabilities of this many top tokens per step")
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)

@@ -10,9 +10,9 @@ from types import TracebackType
 import grpc
 
 from jbatch.sampling_params import SamplingParams
-from serving.grpc_server import sampling_params_to_proto
 from serving.proto.jbatch.v1 import generation_pb2 as pb
 from serving.proto.jbatch.v1 import generation_pb2_grpc as pb_grpc
+from serving.sampling_proto import sampling_params_to_proto
 
 _FINISH_NAMES = {
     pb.FINISH_REASON_STOP: "stop",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from grpc_health.v1 import health
@@ -11,6 +12,10 @@ from jbatch.tokenizer import Tokenizer
 from serving.engine_thread import EngineThread
 from serving.errors import ServingError, Status
 from serving.metrics import ServingMetrics
+
+# Text prompts at least this long are encoded on a worker thread, so that a long prompt does
+# not stall the event loop (and every other stream on it); shorter ones are not worth the hop.
+ENCODE_OFF_LOOP_CHARS = 4096
 
 
 class ServingContext:
@@ -42,6 +47,23 @@ class ServingContext:
         if thread is None:
             raise ServingError(Status.UNAVAILABLE, "the model is still loading")
         return thread
+
+    async def encode_prompt(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt, encoded here so that the engine thread gets ids only
+        (``add_special_tokens`` as ``LLMEngine`` encodes a text prompt: BOS and the like).
+
+        Raises ServingError UNAVAILABLE while loading, ValueError naming ``prompt`` when the
+        model has no tokenizer.
+        """
+        self.engine_thread_or_raise()
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError(
+                "prompt: a text prompt needs a tokenizer and this model has none; send token ids"
+            )
+        if len(text) < ENCODE_OFF_LOOP_CHARS:
+            return tokenizer.encode(text, add_special_tokens)
+        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
 
     def model_info(self) -> dict[str, Any] | None:
         """Static facts about the model and engine (None while loading)."""

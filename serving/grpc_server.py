@@ -10,31 +10,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jbatch.sampling_params import SamplingParams
 from serving.context import ServingContext
 from serving.engine_thread import Delta
 from serving.errors import ServingError, Status
 from serving.proto.jbatch.v1 import generation_pb2 as pb
 from serving.proto.jbatch.v1 import generation_pb2_grpc as pb_grpc
+from serving.sampling_proto import sampling_params_from_proto
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "jbatch.v1.Generation"
-
-_OPTIONAL_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "max_tokens",
-    "ignore_eos",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-)
 
 _FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -42,26 +27,6 @@ _FINISH = {
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
 }
-
-
-def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """Unset fields keep the Python defaults; raises ValueError naming a bad field."""
-    kwargs: dict = {name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)}
-    if msg.stop:
-        kwargs["stop"] = list(msg.stop)
-    if msg.stop_token_ids:
-        kwargs["stop_token_ids"] = list(msg.stop_token_ids)
-    return SamplingParams(**kwargs)
-
-
-def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    """The inverse of :func:`sampling_params_from_proto` (clients use it)."""
-    msg = pb.SamplingParams(stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
-    for name in _OPTIONAL_FIELDS:
-        value = getattr(params, name)
-        if value is not None:
-            setattr(msg, name, value)
-    return msg
 
 
 def response_from_delta(request_id: str, delta: Delta) -> pb.GenerateResponse:
@@ -92,8 +57,12 @@ class GenerationService(pb_grpc.GenerationServicer):
             kind = request.WhichOneof("prompt")
             if kind is None:
                 raise ValueError("prompt is required: set text or token_ids")
-            prompt = request.text if kind == "text" else list(request.token_ids.ids)
-            stream = ctx.engine_thread_or_raise().submit(prompt, params, request.priority)
+            thread = ctx.engine_thread_or_raise()
+            if kind == "text":
+                prompt = await ctx.encode_prompt(request.text)
+            else:
+                prompt = list(request.token_ids.ids)
+            stream = thread.submit(prompt, params, request.priority)
         except ValueError as e:
             ctx.metrics.outcome(Status.INVALID_ARGUMENT.label)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP front end (FastAPI): completions, chat completions, models, health,
 and Prometheus ``/metrics``.
 
-Beyond OpenAI's fields, requests accept jbatch's sampling fields (``top_k``, ``min_p``,
-``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``priority``), and every choice carries the generated ``token_ids``.
+Beyond OpenAI's fields, requests accept every other SamplingParams field the ``http`` surface of
+``jbatch.sampling_surfaces`` exposes (``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids``, ``ignore_eos``, ...) and ``priority``; every choice carries the generated
+``token_ids``. Text prompts are tokenized here, so the engine thread receives token ids.
 Errors are ``{"error": {"message", "type", "code"}}`` with the HTTP status of
 :class:`serving.errors.Status`.
 """
@@ -15,14 +16,15 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, create_model
 
 from jbatch.sampling_params import SamplingParams
+from jbatch.sampling_surfaces import SurfaceField, surface_fields
 from serving.chat_template import render_chat
 from serving.context import ServingContext
 from serving.engine_thread import Delta, RequestStream
@@ -31,36 +33,56 @@ from serving.errors import ServingError, Status
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is there
 
 
-class _SamplingFields(BaseModel):
+class _RequestFields(BaseModel):
+    """What both endpoints take besides the sampling fields (:func:`sampling_request_model`)."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = 16
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    n: int = 1
+    n: int = 1  # OpenAI's choices per request: one here
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     priority: int = 0
 
+    sampling_fields: ClassVar[tuple[SurfaceField, ...]] = ()
+    params_cls: ClassVar[type[SamplingParams]] = SamplingParams
+
     def sampling_params(self) -> SamplingParams:
-        """Raises ValueError naming the field."""
+        """Absent or null fields take the Python default; raises ValueError naming a field."""
         if self.n != 1:
             raise ValueError(f"n must be 1 (one completion per request), got {self.n}")
-        names = set(SamplingParams.__dataclass_fields__) - {"n", "min_tokens", "logprobs"}
-        kwargs = {k: v for k in names if (v := getattr(self, k, None)) is not None}
-        return SamplingParams(**kwargs)
+        kwargs = {}
+        for field in self.sampling_fields:
+            value = getattr(self, field.surface_name)
+            kwargs[field.name] = field.default if value is None else value
+        return self.params_cls(**kwargs)
+
+
+def _json_type(field: SurfaceField) -> Any:
+    """The request type of a field, always nullable (null means the default)."""
+    kind = field.shape.kind
+    if not field.shape.repeated:
+        return kind | None
+    if field.shape.accepts_single:
+        return kind | list[kind] | None
+    return list[kind] | None
+
+
+def sampling_request_model(params_cls: type[SamplingParams] = SamplingParams) -> type:
+    """:class:`_RequestFields` plus one field per SamplingParams field the ``http`` surface
+    exposes (``jbatch.sampling_surfaces``), under its surface name."""
+    fields = tuple(surface_fields("http", params_cls))
+    definitions: dict[str, Any] = {f.surface_name: (_json_type(f), None) for f in fields}
+    clash = sorted(set(definitions) & set(_RequestFields.model_fields))
+    if clash:
+        raise TypeError(f"http: SamplingParams fields {clash} clash with request fields")
+    model = create_model("SamplingFields", __base__=_RequestFields, **definitions)
+    model.sampling_fields = fields
+    model.params_cls = params_cls
+    return model
+
+
+_SamplingFields = sampling_request_model()
 
 
 class CompletionRequest(_SamplingFields):
@@ -70,10 +92,9 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    max_tokens: int | None = None  # OpenAI: until the context is full
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins
 
 
 def _error(status: Status, message: str) -> JSONResponse:
@@ -142,9 +163,11 @@ def build_app(ctx: ServingContext) -> FastAPI:
             messages = [_flatten_content(m) for m in req.messages]
             text = render_chat(ctx.tokenizer, messages, req.add_generation_prompt)
             # The template writes special tokens (BOS...) itself.
-            prompt = ctx.tokenizer.encode(text, add_special_tokens=False)
+            prompt = await ctx.encode_prompt(text, add_special_tokens=False)
         except ValueError as e:
             return _fail(ctx, Status.INVALID_ARGUMENT, str(e))
+        except ServingError as e:
+            return _fail(ctx, e.status, e.message)
         return await _generate(ctx, req, prompt, chat=True, raw=raw)
 
     return app
@@ -169,7 +192,10 @@ async def _generate(
 ) -> Response:
     try:
         params = req.sampling_params()
-        stream = ctx.engine_thread_or_raise().submit(prompt, params, req.priority)
+        thread = ctx.engine_thread_or_raise()
+        if isinstance(prompt, str):
+            prompt = await ctx.encode_prompt(prompt)  # the engine thread gets token ids only
+        stream = thread.submit(prompt, params, req.priority)
     except ValueError as e:
         return _fail(ctx, Status.INVALID_ARGUMENT, str(e))
     except ServingError as e:

@@ -1,10 +1,36 @@
-"""SamplingParams: validation (ValueError naming the field and value) and normalisation."""
+"""SamplingParams: validation (ValueError naming the field and value), normalisation, and the
+CLI / gRPC / HTTP surfaces derived from its fields (jbatch.sampling_surfaces)."""
 
+import argparse
 import dataclasses
 
 import pytest
 
-from jbatch.sampling_params import SamplingParams
+from jbatch.cli import _add_sampling_flags, _build_parser, _sampling_params
+from jbatch.cli import main as cli_main
+from jbatch.sampling_params import SamplingParams, _field
+from jbatch.sampling_surfaces import (
+    SURFACE_RULES,
+    SURFACES,
+    FieldShape,
+    field_shape,
+    hidden,
+    hidden_fields,
+    surface_fields,
+)
+from serving.context import ServingContext
+from serving.http_server import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    build_app,
+    sampling_request_model,
+)
+from serving.proto.jbatch.v1 import generation_pb2 as pb
+from serving.sampling_proto import (
+    proto_mismatches,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+)
 
 
 def test_defaults_match_vllm():
@@ -112,3 +138,154 @@ def test_greedy_frozen_and_replace():
     assert SamplingParams(repetition_penalty=1.2).uses_penalties
     assert not SamplingParams().uses_penalties
     assert hash(p) == hash(SamplingParams(temperature=0.0, stop=("x",)))
+
+
+# ---- one source of truth: the CLI, gRPC and HTTP surfaces derive from the dataclass fields ------
+@dataclasses.dataclass(frozen=True)
+class Extended(SamplingParams):
+    """SamplingParams with a field added: every surface must pick it up or name what it lacks."""
+
+    typical_p: float = _field(1.0, "locally typical sampling mass")
+
+
+def _cli_parser(params_cls=SamplingParams) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    _add_sampling_flags(parser, params_cls)
+    return parser
+
+
+def test_every_field_has_help_and_a_shape_every_surface_maps():
+    names = [f.name for f in dataclasses.fields(SamplingParams)]
+    for surface in SURFACES:
+        exposed = {f.name for f in surface_fields(surface)}
+        assert exposed | set(hidden_fields(surface)) == set(names), surface
+        assert all(reason for reason in hidden_fields(surface).values())
+    assert set(SURFACE_RULES) == set(SURFACES)
+    assert field_shape(SamplingParams, "stop") == FieldShape(str, True, True, True)
+    assert field_shape(SamplingParams, "stop_token_ids") == FieldShape(int, True, False, True)
+    assert field_shape(SamplingParams, "seed") == FieldShape(int, False, False, True)
+    assert field_shape(SamplingParams, "ignore_eos") == FieldShape(bool, False, False, False)
+
+
+def test_bad_field_definitions_fail_naming_the_field(monkeypatch):
+    @dataclasses.dataclass(frozen=True)
+    class NoHelp(SamplingParams):
+        typical_p: float = 1.0
+
+    @dataclasses.dataclass(frozen=True)
+    class Unmappable(SamplingParams):
+        phase: complex = _field(0j, "no surface has complex numbers")
+
+    with pytest.raises(TypeError, match=r"NoHelp\.typical_p has no help"):
+        surface_fields("cli", NoHelp)
+    with pytest.raises(TypeError, match=r"Unmappable\.phase"):
+        surface_fields("http", Unmappable)
+    monkeypatch.setitem(SURFACE_RULES["grpc"], "typo_p", hidden("stale"))
+    with pytest.raises(ValueError, match="typo_p"):
+        surface_fields("grpc")
+    with pytest.raises(ValueError, match="unknown surface"):
+        surface_fields("smoke-signals")
+
+
+def test_cli_flags_follow_the_fields():
+    parser = _cli_parser()
+    flags = {s for a in parser._actions for s in a.option_strings}
+    for field in surface_fields("cli"):
+        assert "--" + field.name.replace("_", "-") in flags, field.name
+    for name in hidden_fields("cli"):
+        assert "--" + name.replace("_", "-") not in flags, name
+    defaults = _sampling_params(parser.parse_args([]))
+    assert defaults == SamplingParams(max_tokens=64, temperature=0.0)  # the CLI's own defaults
+    argv = "--max-tokens 5 --stop a --stop b --stop-token-ids 7 --stop-token-ids 9 --seed 3 "
+    argv += "--ignore-eos --no-skip-special-tokens --top-k -1 --min-p 0.5"
+    got = _sampling_params(parser.parse_args(argv.split()))
+    assert got == SamplingParams(
+        max_tokens=5, temperature=0.0, stop=["a", "b"], stop_token_ids=[7, 9], seed=3,
+        ignore_eos=True, skip_special_tokens=False, top_k=0, min_p=0.5,
+    )  # fmt: skip
+    extended = _cli_parser(Extended)
+    assert _sampling_params(extended.parse_args(["--typical-p", "0.3"]), Extended).typical_p == 0.3
+
+
+@pytest.mark.parametrize("command", [["generate"], ["client", "--target", "127.0.0.1:9"]])
+def test_cli_bad_value_names_the_field(capsys, command):
+    parser = _build_parser()
+    for sub in parser._subparsers._group_actions[0].choices.values():
+        dests = [a.dest for a in sub._actions if a.dest != "help"]
+        assert len(dests) == len(set(dests)), "two flags share a destination"
+    assert cli_main([*command, "--top-p", "2", "x"]) == 2  # before any model load / connection
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_proto_matches_the_fields(monkeypatch):
+    assert proto_mismatches() == []
+
+    @dataclasses.dataclass(frozen=True)
+    class Retyped(SamplingParams):
+        top_k: float = _field(0.0, "top-k as a float")
+        stop_token_ids: int = _field(0, "one id")
+
+    problems = proto_mismatches(params_cls=Retyped)
+    top_k, ids = "jbatch.v1.SamplingParams.top_k", "jbatch.v1.SamplingParams.stop_token_ids"
+    assert f"grpc: Retyped.top_k holds float but {top_k} holds int32" in problems
+    assert f"grpc: Retyped.stop_token_ids is a single value but {ids} is repeated" in problems
+    (missing,) = proto_mismatches(params_cls=Extended)
+    assert "grpc: Extended.typical_p has no field 'typical_p' in jbatch.v1.Sampl" in missing
+    with monkeypatch.context() as m:
+        m.setitem(SURFACE_RULES["grpc"], "typical_p", hidden("not in v1"))
+        assert proto_mismatches(params_cls=Extended) == []
+    monkeypatch.setitem(SURFACE_RULES["grpc"], "seed", hidden("test"))
+    assert any("SamplingParams.seed maps to no" in p for p in proto_mismatches())
+
+
+def test_proto_mapping_round_trip_and_defaults():
+    assert sampling_params_from_proto(pb.SamplingParams()) == SamplingParams()
+    params = SamplingParams(
+        temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, repetition_penalty=1.2,
+        presence_penalty=0.3, frequency_penalty=-0.4, seed=11, max_tokens=33, min_tokens=2,
+        stop=["x", "yz"], stop_token_ids=[4], ignore_eos=True, include_stop_str_in_output=True,
+        skip_special_tokens=False,
+    )  # fmt: skip
+    assert all(  # every exposed field differs from its default, so the round trip tests it
+        getattr(params, f.name) != getattr(SamplingParams(), f.name) for f in surface_fields("grpc")
+    )
+    msg = sampling_params_to_proto(params)
+    assert sampling_params_from_proto(msg) == params
+    assert sampling_params_from_proto(pb.SamplingParams(max_tokens=5)).temperature == 1.0
+    with pytest.raises(ValueError, match="min_p"):
+        sampling_params_from_proto(pb.SamplingParams(min_p=2.0))
+    for hidden_value in (dict(n=2), dict(logprobs=3)):
+        with pytest.raises(ValueError, match=f"{next(iter(hidden_value))}=.*grpc"):
+            sampling_params_to_proto(SamplingParams(**hidden_value))
+
+
+def test_http_models_follow_the_fields():
+    for field in surface_fields("http"):
+        assert field.name in CompletionRequest.model_fields, field.name
+        assert field.name in ChatCompletionRequest.model_fields, field.name
+    for name in hidden_fields("http"):  # declared (and checked) by the model, never ignored
+        assert name in CompletionRequest.model_fields, name
+    req = CompletionRequest(prompt="hi", stop="###", stop_token_ids=[3], temperature=0, seed=None)
+    assert req.sampling_params() == SamplingParams(stop="###", stop_token_ids=[3], temperature=0)
+    model = sampling_request_model(Extended)
+    got = model(typical_p=0.25, max_tokens=4).sampling_params()
+    assert isinstance(got, Extended) and (got.typical_p, got.max_tokens) == (0.25, 4)
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "min_tokens": "many"}, "min_tokens"),
+        ({"prompt": "hi", "stop_token_ids": [1, "x"]}, "stop_token_ids"),
+        ({"prompt": "hi", "n": 2}, "n must be 1"),
+        ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ],
+)
+def test_http_bad_value_is_400_naming_the_field(body, needle):
+    from fastapi.testclient import TestClient
+
+    with TestClient(build_app(ServingContext("m"))) as client:
+        r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import httpx
@@ -22,9 +24,12 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+import serving.context
 from jbatch import LLM, SamplingParams
 from serving.chat_template import render_chat
 from serving.client import GenerationClient, build_request, finish_reason_name
+from serving.context import ServingContext
+from serving.errors import ServingError
 from serving.proto.jbatch.v1 import generation_pb2 as pb
 from serving.proto.jbatch.v1 import generation_pb2_grpc as pb_grpc
 from serving.server import BackgroundServer, ServeConfig
@@ -318,6 +323,7 @@ def test_http_non_streaming_disconnect_aborts(served):
         (dict(text="hi", sampling_params=pb.SamplingParams(seed=2**40)), "seed"),
         (dict(text="hi", sampling_params=pb.SamplingParams(max_tokens=0)), "max_tokens"),
         (dict(text="hi", sampling_params=pb.SamplingParams(stop=[""])), "stop"),
+        (dict(text="hi", sampling_params=pb.SamplingParams(min_tokens=3)), "min_tokens"),
         (dict(token_ids=pb.TokenIds(ids=[1, 5000])), "vocabulary"),
         (dict(token_ids=pb.TokenIds(ids=[])), "prompt"),
         (dict(token_ids=pb.TokenIds(ids=[5] * 300)), "max_seq_len"),
@@ -336,6 +342,7 @@ def test_grpc_invalid_argument(served, request_kw, needle):
         ({"prompt": "hi", "temperature": -1}, "temperature"),
         ({"prompt": "hi", "n": 2}, "n must be 1"),
         ({"prompt": "hi", "max_tokens": "lots"}, "max_tokens"),
+        ({"prompt": "hi", "min_tokens": 3}, "min_tokens"),
         ({"prompt": [1, 99999]}, "vocabulary"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"max_tokens": 3}, "prompt"),
@@ -345,6 +352,64 @@ def test_http_invalid_argument(served, body, needle):
     r = httpx.post(served.http + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
+
+
+def test_front_ends_tokenize_text_prompts(served, monkeypatch):
+    """The engine thread receives token ids only: the front ends encode text prompts."""
+    submitted = []
+    real_submit = served.thread.submit
+
+    def recording_submit(prompt, params, priority=0):
+        submitted.append(prompt)
+        return real_submit(prompt, params, priority)
+
+    monkeypatch.setattr(served.thread, "submit", recording_submit)
+    (text, params), ref = served.cases[0]
+    resps = asyncio.run(_grpc_stream(served.grpc_target, text, params))
+    assert [t for r in resps for t in r.token_ids] == ref.token_ids
+    body = _http_body(text, params)
+    r = httpx.post(served.http + "/v1/completions", json=body, timeout=30).json()
+    assert r["choices"][0]["text"] == ref.text
+    chat = {"messages": MESSAGES, "temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    r = httpx.post(served.http + "/v1/chat/completions", json=chat, timeout=30).json()
+    assert r["choices"][0]["token_ids"] == served.chat_ref.token_ids
+    tok = served.llm.tokenizer
+    chat_ids = tok.encode(render_chat(tok, MESSAGES), add_special_tokens=False)
+    assert submitted == [tok.encode(text), tok.encode(text), chat_ids]
+    assert_drained(served)
+
+
+def test_text_prompt_without_tokenizer_names_prompt(served, monkeypatch):
+    monkeypatch.setattr(served.llm.engine, "tokenizer", None)
+    err = _grpc_error(served.grpc_target, pb.GenerateRequest(text="hi"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith("prompt: a text prompt needs a tokenizer")
+    r = httpx.post(served.http + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt: ")
+    monkeypatch.undo()
+    test_errors_leave_the_server_serving(served)
+
+
+def test_long_text_prompts_are_encoded_off_the_event_loop(monkeypatch):
+    encoded_on = []
+
+    class Tokenizer:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            encoded_on.append(threading.get_ident())
+            return [1] * add_special_tokens + [ord(c) for c in text]
+
+    ctx = ServingContext("m")
+    with pytest.raises(ServingError, match="loading"):
+        asyncio.run(ctx.encode_prompt("hi"))
+    ctx.engine_thread = SimpleNamespace(engine=SimpleNamespace(tokenizer=Tokenizer()))
+    monkeypatch.setattr(serving.context, "ENCODE_OFF_LOOP_CHARS", 3)
+    assert asyncio.run(ctx.encode_prompt("hi")) == [1, 104, 105]
+    assert asyncio.run(ctx.encode_prompt("hi!", add_special_tokens=False)) == [104, 105, 33]
+    assert encoded_on == [threading.get_ident(), encoded_on[1]]
+    assert encoded_on[1] != threading.get_ident(), "a long prompt was encoded on the loop"
+    ctx.engine_thread.engine.tokenizer = None
+    with pytest.raises(ValueError, match="^prompt: "):
+        asyncio.run(ctx.encode_prompt("hi"))
 
 
 def test_errors_leave_the_server_serving(served):
