@@ -22,7 +22,7 @@ class OutputKind(enum.Enum):
     FINAL = "final"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str  # DELTA: text added by this update; FINAL: the whole completion
@@ -37,7 +37,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

@@ -8,6 +8,7 @@ Every invalid value raises ``ValueError`` naming the field and the offending val
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +21,17 @@ GREEDY_EPS = 1e-5  # temperature below this means greedy (same constant as the d
 def _field(default: Any, help: str) -> Any:
     """A dataclass field with its one-line ``help`` (the CLI shows it; jbatch.sampling_surfaces)."""
     return dataclasses.field(default=default, metadata={"help": help})
+
+
+def is_greedy(temperature):
+    """Greedy (argmax) decoding: the one rule, for a float here or a ``[slots]`` array on the
+    device (``jbatch.engine.sampler``)."""
+    return temperature < GREEDY_EPS
+
+
+def uses_penalties(repetition_penalty, presence_penalty, frequency_penalty):
+    """Whether any penalty applies: for floats here, for ``[slots]`` arrays in the sampler."""
+    return (repetition_penalty != 1) | (presence_penalty != 0) | (frequency_penalty != 0)
 
 
 def _is_int(v: Any) -> bool:
@@ -147,15 +159,19 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         """True when decoding is argmax (temperature 0); top-k/top-p/min-p are then irrelevant."""
-        return self.temperature < GREEDY_EPS
+        return bool(is_greedy(self.temperature))
 
     @property
     def uses_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
+        return bool(
+            uses_penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
         )
+
+    @functools.cached_property
+    def stop_hold(self) -> int:
+        """Characters of streamed text held back while running: a tail that could still grow
+        into a stop string (the longest one, less one character)."""
+        return max((len(s) - 1 for s in self.stop), default=0)
 
     def replace(self, **kw: Any) -> SamplingParams:
         """A copy with some fields changed (validated again)."""

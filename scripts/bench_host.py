@@ -11,7 +11,7 @@ Three measurements (prints a table, writes OUT.json):
    requests through 8 slots, 10% with 256-512 output tokens, the rest 4-32
    (``bench_batching.py``'s workload and runner), against the step-count ceiling.
 3. **Host cost per token vs generation length** on the numpy ``MockCore`` (no device work):
-   one 4 000-token generation vs 100 40-token ones, host microseconds per token.
+   8 slots busy with 4 000-token generations vs with 40-token ones, host microseconds per token.
 """
 
 from __future__ import annotations
@@ -90,10 +90,11 @@ def continuous_vs_static(seed: int) -> dict:
 
 def per_token_cost() -> dict:
     """Host microseconds per generated token: one long generation vs many short ones."""
-    cfg = EngineConfig(max_slots=8, page_size=16, num_pages=1024, max_seq_len=8192)
+    cfg = EngineConfig(max_slots=8, page_size=16, num_pages=2100, max_seq_len=4096)
 
     def run_mock(prompts: int, tokens: int) -> float:
-        eng = LLMEngine(None, None, cfg, eos_token_ids=(2,), core=_FreeMock(cfg, 1000))
+        model_cfg = argparse.Namespace(vocab_size=1000)
+        eng = LLMEngine(model_cfg, None, cfg, eos_token_ids=(2,), core=_FreeMock(cfg, 1000))
         for i in range(prompts):
             eng.add_request([5 + i, 6], SamplingParams(max_tokens=tokens, ignore_eos=True))
         t0 = time.perf_counter()
@@ -103,8 +104,9 @@ def per_token_cost() -> dict:
                     eng.forget(out.request_id)
         return 1e6 * (time.perf_counter() - t0) / (prompts * tokens)
 
-    short = float(np.median([run_mock(100, 40) for _ in range(3)]))
-    long = float(np.median([run_mock(1, 4000) for _ in range(3)]))
+    # Both keep all 8 slots busy: 800 requests of 40 tokens vs 8 of 4 000.
+    short = float(np.median([run_mock(800, 40) for _ in range(3)]))
+    long = float(np.median([run_mock(8, 4000) for _ in range(3)]))
     return {"us_per_token_40": short, "us_per_token_4000": long, "ratio": long / short}
 
 
@@ -156,7 +158,7 @@ def main() -> None:
         print(f"   {mode:<11} {tok_s:8.0f} tok/s  host {host:.1f}%")
     print(f"   continuous / static = {batching['speedup']:.2f}x (ceiling {batching['ideal']:.2f}x)")
     print("\n3. host us per token (MockCore): "
-          f"40-token requests {tokens['us_per_token_40']:.1f}, one 4000-token request "
+          f"40-token requests {tokens['us_per_token_40']:.1f}, 4000-token requests "
           f"{tokens['us_per_token_4000']:.1f} (ratio {tokens['ratio']:.2f})")  # fmt: skip
     summary = {
         "command": "python scripts/bench_host.py " + " ".join(sys.argv[1:]),

@@ -278,6 +278,11 @@ def _cancelled_count(served) -> float:
 
 
 def test_http_client_disconnect_aborts(served):
+    with _slow_steps(served):
+        _client_disconnect_aborts(served)
+
+
+def _client_disconnect_aborts(served):
     before = _cancelled_count(served)
     body = {"prompt": [3, 4, 5], "max_tokens": 240, "temperature": 0, "ignore_eos": True}
     with httpx.stream("POST", served.http + "/v1/completions", json={**body, "stream": True}) as r:
@@ -289,7 +294,33 @@ def test_http_client_disconnect_aborts(served):
     assert _cancelled_count(served) == before + 1
 
 
+@contextlib.contextmanager
+def _slow_steps(served, seconds: float = 0.02):
+    """Each engine step takes at least ``seconds`` (a long request outlasts a disconnect check
+    however fast the engine is)."""
+
+    def slow(engine):
+        core = engine.core
+
+        def step(*args):
+            time.sleep(seconds)
+            return type(core).step(core, *args)
+
+        core.step = step
+
+    served.thread.call(slow).result(10)
+    try:
+        yield
+    finally:
+        served.thread.call(lambda engine: vars(engine.core).pop("step", None)).result(10)
+
+
 def test_http_non_streaming_disconnect_aborts(served):
+    with _slow_steps(served):
+        _non_streaming_disconnect_aborts(served)
+
+
+def _non_streaming_disconnect_aborts(served):
     import socket
     from urllib.parse import urlparse
 

@@ -9,6 +9,7 @@ programs that run only on the steps that swap.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -54,8 +55,12 @@ class EngineCore:
     def __post_init__(self):
         self.host = jax.devices("cpu")[0]
         self.layouts = all_layouts(self.cfg)
-        self.dispatches = 0  # jitted calls made by step / swap_out / swap_in
         self._multiprocess = jax.process_count() > 1
+        # Step inputs in flight (dispatch index, input) and spare ones per bucket pair; a step
+        # with a dispatch index below ``_fetched`` has finished.
+        self._used_inputs: collections.deque[tuple[int, StepInput]] = collections.deque()
+        self._spare_inputs: dict[tuple[int, int], list[StepInput]] = {}
+        self._dispatched = self._fetched = 0
         step_kwargs = dict(
             model_cfg=self.model_cfg, block_q=self.cfg.block_q, attn_impl=self.cfg.attn_impl
         )
@@ -121,25 +126,37 @@ class EngineCore:
 
     # ---- the engine's calls ----------------------------------------------------------------------
     def new_input(self, rows: int, decode_rows: int) -> StepInput:
-        """Empty host inputs for a step of ``rows`` prompt rows and ``decode_rows`` decode rows."""
-        return self.layouts[(rows, decode_rows)].new()
+        """Empty host inputs for a step of ``rows`` prompt rows and ``decode_rows`` decode rows:
+        a recycled input of that bucket whose step has finished (its buffers reset), else a
+        fresh one. Steps run in dispatch order, so every step dispatched before the last one
+        fetched is done reading its input."""
+        key = (rows, decode_rows)
+        free = self._spare_inputs.get(key)
+        while self._used_inputs and self._used_inputs[0][0] < self._fetched:
+            _, used = self._used_inputs.popleft()
+            self._spare_inputs.setdefault(_key_of(used), []).append(used)
+            free = self._spare_inputs.get(key)
+        if free:
+            return self.layouts[key].reuse(free.pop())
+        return self.layouts[key].new()
 
     def step(
         self, params: dict, state: EngineState, inp: StepInput
-    ) -> tuple[EngineState, Int32[Array, "3 slots"]]:
+    ) -> tuple[EngineState, _Pending]:
         """Dispatch one step (returns at once); the result's host copy is already under way."""
-        batch = inp.batch
-        key = (batch.prefill_tokens.shape[0], batch.decode_slots.shape[0])
-        state, packed = self._steps[key](params, state, inp.ints, inp.floats)
-        self.dispatches += 1
+        state, packed = self._steps[_key_of(inp)](params, state, inp.ints, inp.floats)
+        self._used_inputs.append((self._dispatched, inp))
+        self._dispatched += 1
         if self._multiprocess:  # the host reads its own copy of the replicated result
             packed = packed.addressable_shards[0].data
         packed.copy_to_host_async()
-        return state, packed
+        return state, _Pending(self._dispatched - 1, packed)
 
-    def fetch(self, packed: Int32[Array, "3 slots"]) -> StepResult:
+    def fetch(self, pending: _Pending) -> StepResult:
         """Wait for a dispatched step's results."""
-        return StepResult(*unpack_output(packed))
+        result = StepResult(*unpack_output(pending.packed))
+        self._fetched = max(self._fetched, pending.index + 1)  # this step and all before: done
+        return result
 
     def lower_step(self, params: dict, state: EngineState, rows: int, decode_rows: int):
         """The step program of one bucket pair, lowered (for inspecting the compiled HLO)."""
@@ -147,11 +164,9 @@ class EngineCore:
         return self._steps[(rows, decode_rows)].lower(params, state, inp.ints, inp.floats)
 
     def swap_out(self, state: EngineState, slot: int, pages: np.ndarray):
-        self.dispatches += 1
         return self._swap_out(state, np.int32(slot), pages)
 
     def swap_in(self, state: EngineState, slot: int, pages: np.ndarray, saved) -> EngineState:
-        self.dispatches += 1
         return self._swap_in(state, np.int32(slot), pages, saved)
 
     def unused_pages(self) -> np.ndarray:
@@ -159,6 +174,9 @@ class EngineCore:
         return np.full(self.cfg.max_pages_per_seq, self.cfg.num_pages, np.int32)
 
     def init_state(self) -> EngineState:
+        """A fresh state. Inputs of steps still in flight are never recycled after this: a new
+        state does not depend on them, so their steps may finish after later ones."""
+        self._used_inputs.clear()
         return self._init()
 
     def to_host(self, saved: swap.SwappedSlot) -> swap.SwappedSlot:
@@ -177,14 +195,25 @@ class EngineCore:
             state, saved = self.swap_out(state, 0, self.unused_pages())
             saved = self.to_device(self.to_host(saved))  # the round trip a swap makes
             state = self.swap_in(state, 0, self.unused_pages(), saved)
-        packed = None
         for rows, decode_rows in self.layouts:
             inp = self.new_input(rows, decode_rows)
             inp.release[:] = True  # retire every slot: warm-up leaves none active
-            state, packed = self.step(params, state, inp)
-        jax.block_until_ready(packed)
-        self.dispatches = 0
+            state, pending = self.step(params, state, inp)
+            self.fetch(pending)
         return state
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A dispatched step: its dispatch index and its packed result (copy to host under way)."""
+
+    index: int
+    packed: Int32[Array, "3 slots"]
+
+
+def _key_of(inp: StepInput) -> tuple[int, int]:
+    """The (prefill rows, decode rows) bucket pair of a step input."""
+    return inp.batch.prefill_tokens.shape[0], inp.batch.decode_slots.shape[0]
 
 
 @dataclasses.dataclass

@@ -17,7 +17,9 @@ import numpy as np
 
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.engine_core import StepResult
+from jbatch.engine.state import decodes
 from jbatch.engine.step_input import StepInput, all_layouts
+from jbatch.sampling_params import is_greedy
 
 
 def next_token(tokens, seed: int, step: int, sampled: bool, vocab: int) -> int:
@@ -127,11 +129,8 @@ class MockCore:
             if slot < s:
                 st.page_tables[slot, idx] = page
         max_len = st.page_tables.shape[1] * self.cfg.page_size
-        decode = (
-            st.active
-            & (st.seq_lens >= st.prefill_lens)
-            & (st.num_generated < st.max_tokens)
-            & (st.seq_lens < max_len)
+        decode = decodes(
+            st.active, st.seq_lens, st.prefill_lens, st.num_generated, st.max_tokens, max_len
         )
         listed = np.zeros(s + 1, bool)
         listed[np.asarray(b.decode_slots)] = True  # padding entries hit index s
@@ -148,8 +147,9 @@ class MockCore:
         new = np.zeros(s, np.int64)
         for slot in np.flatnonzero(sampled):
             seq = self._read(st, slot, st.seq_lens[slot])
+            sampled_token = not is_greedy(st.temperature[slot])
             new[slot] = next_token(
-                seq, st.seed[slot], st.num_generated[slot], st.temperature[slot] > 0, self.vocab
+                seq, st.seed[slot], st.num_generated[slot], sampled_token, self.vocab
             )
         st.tokens = np.where(sampled, new, st.tokens)
         st.num_generated += sampled

@@ -6,9 +6,12 @@ import dataclasses
 import enum
 
 from jbatch.engine.page_allocator import chain_hash
+from jbatch.engine.state import decodes
 from jbatch.outputs import OutputKind
 from jbatch.sampling_params import SamplingParams
 from jbatch.tokenizer import IncrementalDetokenizer
+
+_NO_LIMIT = float("inf")
 
 
 class RequestStatus(enum.Enum):
@@ -76,8 +79,10 @@ class Request:
 
     @property
     def can_decode(self) -> bool:
-        """Mirrors ``EngineState.decode_mask`` for a running slot."""
-        return not self.prefilling and self.num_sampled < self.max_tokens
+        """``EngineState.decode_mask``'s rule for this running request (room is left by
+        construction: ``max_tokens`` is resolved to fit ``max_seq_len``)."""
+        done, prefill = self.num_computed, len(self.prefill_ids)
+        return decodes(True, done, prefill, self.num_sampled, self.max_tokens, _NO_LIMIT)
 
     @property
     def finished(self) -> bool:

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int32, UInt32
 
-GREEDY_EPS = 1e-5  # temperature below this is greedy (matches SamplingParams.is_greedy)
+from jbatch.sampling_params import is_greedy, uses_penalties
+
 CANDIDATES = 256  # top-k / top-p are resolved from this many largest logits when possible
 BLOCK = 256  # inverse-CDF sampling: vocab is scanned in blocks of this many tokens
 
@@ -230,13 +231,13 @@ def sample(
 ) -> tuple[Int32[Array, " slots"], Float[Array, " slots"]]:
     """Pick one token per slot; returns (token ids [S], raw-model logprob of each token [S])."""
     logits = logits.astype(jnp.float32)  # [S, V]
-    pen = (sp.repetition_penalty != 1) | (sp.presence_penalty != 0) | (sp.frequency_penalty != 0)
+    pen = uses_penalties(sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty)
     x = jax.lax.cond(
         jnp.any(pen),
         lambda: _apply_penalties(logits, sp, prompt_mask, output_counts),
         lambda: logits,
     )  # [S, V]
-    greedy = sp.temperature < GREEDY_EPS  # [S]
+    greedy = is_greedy(sp.temperature)  # [S]
     greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [S]
     tokens = jax.lax.cond(
         jnp.all(greedy),

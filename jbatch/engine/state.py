@@ -41,12 +41,16 @@ class EngineState:
     def decode_mask(self) -> Bool[Array, " slots"]:
         """Slots that decode one token in the next step (prompt done, budget left, room left)."""
         max_len = self.page_tables.shape[1] * self.cache.page_size
-        return (
-            self.active
-            & (self.seq_lens >= self.prefill_lens)
-            & (self.num_generated < self.max_tokens)
-            & (self.seq_lens < max_len)
-        )
+        return decodes(
+            self.active, self.seq_lens, self.prefill_lens, self.num_generated, self.max_tokens,
+            max_len,
+        )  # fmt: skip
+
+
+def decodes(active, seq_lens, prefill_lens, num_generated, max_tokens, max_len):
+    """The decode rule, once: active, prompt done, token budget left, room left. Works on the
+    device arrays, on the numpy ``MockCore``'s, and on one request's host counters."""
+    return active & (seq_lens >= prefill_lens) & (num_generated < max_tokens) & (seq_lens < max_len)
 
 
 def init_state(model_cfg: ModelConfig, cfg: EngineConfig) -> EngineState:

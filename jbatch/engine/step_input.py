@@ -8,9 +8,10 @@ buffer, with a layout that is static per (decode bucket, prefill bucket) pair.
 
 1. :class:`StepInputLayout` is built once per bucket pair from a template pytree of numpy
    arrays (the defaults: nothing released, nothing inserted, only padding rows).
-2. The host calls :meth:`StepInputLayout.new`: fresh copies of the default buffers (the
-   previous step may still be reading its own: CPU device buffers can alias host memory) and a
-   :class:`StepInput` whose fields are numpy *views* into them, which the batch builder fills.
+2. The host takes a :class:`StepInput` from :meth:`StepInputLayout.new` (fresh buffers) or
+   :meth:`StepInputLayout.reuse` (an input whose step has finished, reset to the defaults: a
+   device buffer may alias host memory, so a buffer is never rewritten while a step can still
+   read it). Its fields are numpy *views* into the two buffers, which the batch builder fills.
 3. Inside the jitted program :meth:`StepInputLayout.unpack` slices the buffers back into the
    pytree (static slices, reshapes and bitcasts: no copies worth counting).
 """
@@ -35,12 +36,9 @@ _INT_KINDS = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(bool))
 class _Field:
     buffer: int  # 0: the int32 buffer, 1: the float32 buffer
     offset: int
+    size: int
     shape: tuple[int, ...]
     dtype: np.dtype
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
 
 
 @dataclasses.dataclass
@@ -72,7 +70,7 @@ class StepInputLayout:
             buffer = 0 if leaf.dtype in _INT_KINDS else 1
             if buffer == 1 and leaf.dtype != np.float32:
                 raise TypeError(f"cannot pack a {leaf.dtype} step input")
-            self.fields.append(_Field(buffer, sizes[buffer], leaf.shape, leaf.dtype))
+            self.fields.append(_Field(buffer, sizes[buffer], leaf.size, leaf.shape, leaf.dtype))
             sizes[buffer] += leaf.size
         ints, floats = np.zeros(max(sizes[0], 1), np.int32), np.zeros(max(sizes[1], 1), np.float32)
         self.defaults = (ints, floats)
@@ -103,6 +101,12 @@ class StepInputLayout:
         ints, floats = self.defaults[0].copy(), self.defaults[1].copy()
         release, insert, batch = jax.tree.unflatten(self.treedef, self._views((ints, floats)))
         return StepInput(release, insert, batch, ints, floats, self)
+
+    def reuse(self, inp: StepInput) -> StepInput:
+        """``inp`` (of this layout, its step finished) reset to the defaults, views and all."""
+        np.copyto(inp.ints, self.defaults[0])
+        np.copyto(inp.floats, self.defaults[1])
+        return inp
 
     def unpack(
         self, ints: Int32[Array, " n_int"], floats: Float[Array, " n_float"]

@@ -59,8 +59,7 @@ def text_to_emit(seq: Request, finished: bool) -> str:
             seq.pending_text += seq.detokenizer.flush()
         end = len(seq.pending_text)
     else:
-        hold = max((len(s) - 1 for s in seq.params.stop), default=0)
-        end = max(0, len(seq.pending_text) - hold)
+        end = max(0, len(seq.pending_text) - seq.params.stop_hold)
     delta, seq.pending_text = seq.pending_text[:end], seq.pending_text[end:]
     if seq.output_kind is OutputKind.FINAL and delta:
         seq.text_chunks.append(delta)
