@@ -185,9 +185,12 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self.prefix_offset, self.read_offset)
         full_text = self._decode(self.prefix_offset, len(self._ids))
         if not final and (
-            full_text.endswith(_REPLACEMENT_CHAR) or len(full_text) < len(prefix_text)
+            full_text.endswith(_REPLACEMENT_CHAR) or len(full_text) <= len(prefix_text)
         ):
-            return ""  # incomplete character (or a decoder that shrank the text): wait for more
+            # An incomplete character, or no new text (a skipped special token: moving the
+            # window past it would lose the space a SentencePiece decoder strips at the start
+            # of a decode), or a decoder that shrank the text: wait for more.
+            return ""
         delta = full_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self._ids)
