@@ -54,14 +54,6 @@ def _write_hf_llama(directory: Path, overrides: dict, seed: int = 0) -> None:
     config = transformers.LlamaConfig(**overrides)
     model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(directory)
-    # transformers 5 nests rope_theta in rope_parameters; repeat it at the top level for
-    # readers built on transformers 4 (vLLM's venv may be).
-    cfg_file = directory / "config.json"
-    cfg_file.write_text(
-        json.dumps(
-            {**json.loads(cfg_file.read_text()), "rope_theta": overrides["rope_theta"]}, indent=2
-        )
-    )
     write_tokenizer(directory, overrides["vocab_size"])
 
 
@@ -70,7 +62,9 @@ def _is_complete(directory: Path, overrides: dict) -> bool:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    same = all(config.get(k) == v for k, v in overrides.items() if k != "rope_theta")
+    rope = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta"))
+    same = rope == overrides["rope_theta"]
+    same &= all(config.get(k) == v for k, v in overrides.items() if k != "rope_theta")
     return same and any(directory.glob("*.safetensors")) and (directory / "tokenizer.json").exists()
 
 
