@@ -1,7 +1,12 @@
 """Offline throughput, side by side: jbatch (continuous, static) vs HF transformers (static
 ``generate``, continuous ``generate_batch``'s manager) vs vLLM's CPU build, one checkpoint.
 
-    python scripts/bench_offline.py [--model DIR] [--reps 5] [--vllm-python VENV/bin/python]
+    python scripts/bench_offline.py [--shape toy|smollm2-135m | --model DIR] [--reps 5]
+                                    [--vllm-python VENV/bin/python]
+
+Checkpoint (``bench_shapes.py``): ``--shape toy`` (default) is a random 4-layer 256-wide Llama;
+``--shape smollm2-135m`` is a random checkpoint of SmolLM2-135M's shape (30 layers, hidden 576),
+written once by transformers into /tmp/jbatch-bench-smollm2-135m; ``--model`` takes any folder.
 
 Workloads (seeded, token-id prompts, ``ignore_eos`` so every output length is fixed):
 * ``equal``: 32 requests, prompts 16-64 tokens, 64 output tokens each (HF static's best case).
@@ -24,6 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_shapes import SHAPES, checkpoint_for
 
 HERE = Path(__file__).resolve().parent
 ENGINES = ("jbatch", "jbatch_static", "hf_static", "hf_continuous", "vllm")
@@ -132,7 +138,8 @@ def plot(results: dict, engines: list[str], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="HF checkpoint folder (default: random 4-layer 256-wide Llama)")
+    ap.add_argument("--model", help="HF checkpoint folder (default: the --shape checkpoint)")
+    ap.add_argument("--shape", choices=SHAPES, default="toy", help="random checkpoint's shape")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--slots", type=int, default=32, help="batch size / max_num_seqs everywhere")
     ap.add_argument("--engines", default=",".join(ENGINES))
@@ -141,10 +148,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="docs/bench_offline")
     args = ap.parse_args()
+    shape = args.shape if args.model is None else None  # None: a checkpoint given by --model
     if args.model is None:
-        from jbatch.tiny_model import write_random_llama
-
-        args.model = str(write_random_llama("/tmp/jbatch-bench-llama", vocab_size=32000))
+        args.model = str(checkpoint_for(args.shape))
     engines = args.engines.split(",")
     if "jbatch" not in engines:
         raise SystemExit("--engines must include jbatch (ratios are jbatch / each peer)")
@@ -182,6 +188,7 @@ def main() -> None:
         "command": " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "model": args.model,
+        "shape": shape,
         "slots": args.slots,
         "reps": args.reps,
         "workloads": {

@@ -1,7 +1,8 @@
 """Where a decode step's time goes: a ``jax.profiler`` trace of one ``LLM.generate`` run, with the
 XLA ops of the jitted step summed per step and grouped by kind.
 
-    python scripts/profile_step.py [--model DIR] [--slots 32] [--prompt-len 40] [--max-tokens 64]
+    python scripts/profile_step.py [--shape toy|smollm2-135m | --model DIR] [--slots 32]
+                                   [--prompt-len 40] [--max-tokens 64]
 
 Prints the top ops (ms per step) and a grouping: the LM head (the dot whose output is
 ``[slots, vocab]``), other matmuls, paged attention (the chunk loop and what runs inside it),
@@ -21,6 +22,7 @@ import tempfile
 
 import jax
 import numpy as np
+from bench_shapes import SHAPES, checkpoint_for
 
 from jbatch import LLM, SamplingParams
 
@@ -40,15 +42,14 @@ def op_times(trace_dir: str) -> collections.Counter:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="HF checkpoint folder (default: random 4-layer Llama)")
+    ap.add_argument("--model", help="HF checkpoint folder (default: the --shape checkpoint)")
+    ap.add_argument("--shape", choices=SHAPES, default="toy", help="see bench_shapes.py")
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
     if args.model is None:
-        from jbatch.tiny_model import write_random_llama
-
-        args.model = str(write_random_llama("/tmp/jbatch-bench-llama", vocab_size=32000))
+        args.model = str(checkpoint_for(args.shape))
     llm = LLM(args.model, max_slots=args.slots, num_pages=args.slots * 32, max_seq_len=512)
     vocab = llm.engine.model_cfg.vocab_size
     rng = np.random.default_rng(0)
