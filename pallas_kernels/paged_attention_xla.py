@@ -56,10 +56,11 @@ def paged_attention_xla(
         v = gather_pages(v_pages, pages)
         kpos = i * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)  # [CL]
         live = kpos[None, :] <= block_last[:, None]  # [N, CL]
-        k = jnp.where(live[:, :, None, None], k, 0).astype(jnp.float32)
+        # Garbage (even NaN) in K past the context only reaches masked scores, which ``where``
+        # replaces; V must be zeroed there, since 0 x NaN would reach the output.
         v = jnp.where(live[:, :, None, None], v, 0).astype(jnp.float32)
         mask = key_mask(q_positions, kpos, sliding_window)[:, None, None]  # [N, 1, 1, Bq, CL]
-        s = jnp.einsum("nbkgd,nckd->nkgbc", qg, k)  # [N, KVH, G, Bq, CL]
+        s = jnp.einsum("nbkgd,nckd->nkgbc", qg, k.astype(jnp.float32))  # [N, KVH, G, Bq, CL]
         s = jnp.where(mask, s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # [N, KVH, G, Bq]
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)

@@ -13,7 +13,7 @@ def build_step_input(cfg: EngineConfig, core, sched: SchedulerOutput) -> StepInp
     """The step's input from ``core.new_input`` (buffers holding the defaults), filled in:
     slots to release, requests to insert, decode slots, prompt-chunk rows, page writes."""
     rows = buckets.pick_bucket(cfg, sched.prompt_rows)
-    inp = core.new_input(rows, buckets.pick_decode_bucket(cfg, len(sched.decodes)))
+    inp = core.new_input(rows, buckets.pick_decode_bucket(cfg, len(sched.decodes), rows))
     inp.release[sched.releases] = True
     for seq in sched.inserts:
         _fill_insert(cfg, inp.insert, seq)

@@ -85,9 +85,10 @@ class StepBatch:
         decodes; a smaller decode bucket starts with only padding (fill ``decode_slots``)."""
         w, s = buckets.max_page_writes(cfg), cfg.max_slots
         decode_rows = s if decode_rows is None else decode_rows
-        if decode_rows not in buckets.decode_buckets(cfg):
+        allowed = buckets.decode_buckets(cfg, rows)
+        if decode_rows not in allowed:
             raise ValueError(
-                f"decode_rows={decode_rows} is not a decode bucket {buckets.decode_buckets(cfg)}"
+                f"decode_rows={decode_rows} is not a decode bucket {allowed} of {rows} prompt rows"
             )
         decode_slots = np.arange(s, dtype=np.int32) if decode_rows == s else np.full(decode_rows, s)
         return cls(

@@ -163,6 +163,21 @@ def _filter_threshold(
     )
 
 
+def argmax(x: Float[Array, "slots vocab"]) -> Int32[Array, " slots"]:
+    """``jnp.argmax`` over the vocab (first index of the maximum), in two levels: the block
+    holding the row maximum, then the position inside it. Same result; ~17x faster than XLA
+    CPU's variadic reduce at [32, 49 152] (3.3 ms -> 0.2 ms, measured)."""
+    slots, vocab = x.shape
+    if vocab <= BLOCK:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    nb = -(-vocab // BLOCK)
+    blocks = jnp.pad(x, ((0, 0), (0, nb * BLOCK - vocab)), constant_values=-jnp.inf)
+    blocks = blocks.reshape(slots, nb, BLOCK)  # [S, NB, B]
+    b = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)  # [S] first block holding the maximum
+    inner = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]  # [S, B]
+    return (b * BLOCK + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
+
+
 def _inverse_cdf(
     masked: Float[Array, "slots vocab"], u: Float[Array, " slots"]
 ) -> Int32[Array, " slots"]:
@@ -238,7 +253,7 @@ def sample(
         lambda: logits,
     )  # [S, V]
     greedy = is_greedy(sp.temperature)  # [S]
-    greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [S]
+    greedy_tok = argmax(x)  # [S]
     tokens = jax.lax.cond(
         jnp.all(greedy),
         lambda: greedy_tok,

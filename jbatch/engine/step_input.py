@@ -135,6 +135,5 @@ def all_layouts(cfg: EngineConfig) -> dict[tuple[int, int], StepInputLayout]:
     """A layout for every (prefill rows, decode rows) bucket pair the engine compiles."""
     return {
         (rows, decode_rows): StepInputLayout.for_bucket(cfg, rows, decode_rows)
-        for rows in buckets.prefill_buckets(cfg)
-        for decode_rows in buckets.decode_buckets(cfg)
+        for rows, decode_rows in buckets.bucket_pairs(cfg)
     }
