@@ -5,6 +5,12 @@ gathering every block's whole page list, it walks the page tables in chunks of a
 ``chunk_tokens`` keys with an online (flash-style) softmax inside a ``lax.while_loop`` whose
 trip count is *traced*: ceil(longest live context / chunk). A step whose sequences are short only
 gathers their few pages, and the context length never enters a shape, so it never recompiles.
+
+Many single-row blocks (decode rows) are processed in groups of ``DECODE_ROW_GROUP``, one after
+another, each group walking only to *its* longest context: the engine lists decode rows longest
+first, so one long sequence no longer makes every row walk its length. Measured (CPU, 32 decode
+rows, 9/3 heads, head dim 64): mixed lengths 1.4 -> 0.9 ms, one or two long rows among short
+ones 3.7 -> 2.0 ms, all of equal length 1.9 -> 2.3 ms.
 """
 
 from __future__ import annotations
@@ -27,6 +33,21 @@ def paged_attention_xla(
     scale: float | None = None,
     chunk_tokens: int = 64,
 ) -> Float[Array, "n bq h d"]:
+    n, bq = q.shape[:2]
+    g = DECODE_ROW_GROUP
+    if bq == 1 and n > g and n % g == 0:
+        groups = (x.reshape(n // g, g, *x.shape[1:]) for x in (q, block_tables, q_positions))
+        one = lambda a: _attend(*a[:1], k_pages, v_pages, *a[1:], sliding_window, scale,
+                                chunk_tokens)  # fmt: skip
+        return jax.lax.map(one, tuple(groups)).reshape(q.shape)
+    return _attend(q, k_pages, v_pages, block_tables, q_positions, sliding_window, scale,
+                   chunk_tokens)  # fmt: skip
+
+
+DECODE_ROW_GROUP = 8  # single-row blocks per group (each group: its own trip count)
+
+
+def _attend(q, k_pages, v_pages, block_tables, q_positions, sliding_window, scale, chunk_tokens):
     n, bq, h, d = q.shape
     _, page_size, kvh, _ = k_pages.shape
     g = h // kvh

@@ -10,10 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jbatch import LLM, SamplingParams
+from jbatch.engine import buckets
 from tests.compile_counter import count_compiles
 
 ENGINE = dict(
-    max_slots=32,  # decode buckets 8 and 32: steps with few busy slots run compacted
+    max_slots=32,  # decode buckets 1..32: steps with few busy slots run compacted
     page_size=8,
     num_pages=40,
     max_num_batched_tokens=64,
@@ -70,6 +71,23 @@ def test_greedy_fidelity_vs_hf_through_small_pool(variant, hf_checkpoint, llama)
         assert_teacher_forced(model, prompt, completion.token_ids)
     assert_drained(llm)
     assert llm.engine.scheduler.num_preemptions > 0, "the pool should have forced preemptions"
+
+
+def test_every_decode_bucket_matches_hf(hf_checkpoint):
+    """32 requests whose decodes end one step apart walk every decode-only bucket (32 rows down
+    to 1) and the mixed ones; each program's tokens are HF's argmax."""
+    path, model = hf_checkpoint("llama")
+    llm = LLM(path, **{**ENGINE, "num_pages": 400, "debug_checks": False})
+    rng = np.random.RandomState(3)
+    prompts = [rng.randint(3, 384, size=1 + i % 8).tolist() for i in range(32)]
+    params = [GREEDY.replace(max_tokens=8 + i) for i in range(32)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert_teacher_forced(model, prompt, out.outputs[0].token_ids)
+    ran = llm.engine.core.programs_run
+    decode_only = {d for (rows, d), n in ran.items() if rows == 0 and n}
+    assert decode_only == set(buckets.decode_buckets(llm.config, 0)), decode_only
+    assert any(rows and n for (rows, _), n in ran.items())  # and steps with prompt rows
 
 
 def test_batch_invariance_greedy_and_seeded(llama):

@@ -61,6 +61,7 @@ class EngineCore:
         self._used_inputs: collections.deque[tuple[int, StepInput]] = collections.deque()
         self._spare_inputs: dict[tuple[int, int], list[StepInput]] = {}
         self._dispatched = self._fetched = 0
+        self.programs_run: collections.Counter = collections.Counter()  # steps per bucket pair
         step_kwargs = dict(
             model_cfg=self.model_cfg, block_q=self.cfg.block_q, attn_impl=self.cfg.attn_impl
         )
@@ -144,7 +145,9 @@ class EngineCore:
         self, params: dict, state: EngineState, inp: StepInput
     ) -> tuple[EngineState, _Pending]:
         """Dispatch one step (returns at once); the result's host copy is already under way."""
-        state, packed = self._steps[_key_of(inp)](params, state, inp.ints, inp.floats)
+        key = _key_of(inp)
+        state, packed = self._steps[key](params, state, inp.ints, inp.floats)
+        self.programs_run[key] += 1
         self._used_inputs.append((self._dispatched, inp))
         self._dispatched += 1
         if self._multiprocess:  # the host reads its own copy of the replicated result
@@ -200,6 +203,7 @@ class EngineCore:
             inp.release[:] = True  # retire every slot: warm-up leaves none active
             state, pending = self.step(params, state, inp)
             self.fetch(pending)
+        self.programs_run.clear()
         return state
 
 
