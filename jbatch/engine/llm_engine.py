@@ -381,9 +381,6 @@ class LLMEngine:
             outputs += self._process(*self._inflight.popleft())
         return outputs
 
-    def status_counts(self) -> dict[str, int]:
-        return collections.Counter(s.status.value for s in self.requests.values())
-
     def forget_finished(self) -> None:
         """Drop finished requests' records (long-running servers call this periodically)."""
         for rid in [r for r, s in self.requests.items() if s.status is RequestStatus.FINISHED]:

@@ -30,16 +30,6 @@ def chain_hash(parent: bytes, page_tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def page_hashes(token_ids: Sequence[int], page_size: int, limit: int) -> list[bytes]:
-    """Hash chain of the full pages among the first ``limit`` tokens (from scratch; the
-    engine extends each request's chain incrementally, ``Request.page_hashes``)."""
-    hashes, parent = [], b""
-    for start in range(0, limit - page_size + 1, page_size):
-        parent = chain_hash(parent, token_ids[start : start + page_size])
-        hashes.append(parent)
-    return hashes
-
-
 class PageAllocator:
     def __init__(self, num_pages: int, enable_prefix_caching: bool = True):
         self.num_pages = num_pages
