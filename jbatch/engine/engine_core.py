@@ -150,14 +150,17 @@ class EngineCore:
         self.programs_run[key] += 1
         self._used_inputs.append((self._dispatched, inp))
         self._dispatched += 1
-        if self._multiprocess:  # the host reads its own copy of the replicated result
-            packed = packed.addressable_shards[0].data
-        packed.copy_to_host_async()
-        return state, _Pending(self._dispatched - 1, packed)
+        # The host reads one copy of the replicated result (with several processes: its own).
+        local = packed.addressable_shards[0].data if self._multiprocess else packed
+        local.copy_to_host_async()
+        return state, _Pending(self._dispatched - 1, packed, local)
 
     def fetch(self, pending: _Pending) -> StepResult:
         """Wait for a dispatched step's results."""
-        result = StepResult(*unpack_output(pending.packed))
+        result = StepResult(*unpack_output(pending.local))
+        # Its input may be recycled only once *every* device has finished the step: one
+        # device's copy of the result can be ready while another still reads the input.
+        jax.block_until_ready(pending.packed)
         self._fetched = max(self._fetched, pending.index + 1)  # this step and all before: done
         return result
 
@@ -209,10 +212,12 @@ class EngineCore:
 
 @dataclasses.dataclass(frozen=True)
 class _Pending:
-    """A dispatched step: its dispatch index and its packed result (copy to host under way)."""
+    """A dispatched step: its dispatch index, its packed result on every device, and the copy
+    the host reads (its transfer to the host under way)."""
 
     index: int
     packed: Int32[Array, "3 slots"]
+    local: Int32[Array, "3 slots"]
 
 
 def _key_of(inp: StepInput) -> tuple[int, int]:
