@@ -132,11 +132,10 @@ class EngineCore:
         fresh one. Steps run in dispatch order, so every step dispatched before the last one
         fetched is done reading its input."""
         key = (rows, decode_rows)
-        free = self._spare_inputs.get(key)
         while self._used_inputs and self._used_inputs[0][0] < self._fetched:
             _, used = self._used_inputs.popleft()
             self._spare_inputs.setdefault(_key_of(used), []).append(used)
-            free = self._spare_inputs.get(key)
+        free = self._spare_inputs.get(key)
         if free:
             return self.layouts[key].reuse(free.pop())
         return self.layouts[key].new()
