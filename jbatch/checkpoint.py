@@ -39,31 +39,100 @@ class CheckpointError(ValueError):
     """A checkpoint jbatch cannot load; the message names the file (and tensor) at fault."""
 
 
-# jbatch layer param -> (HF name suffix under model.layers.{i}., is_linear_weight)
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where one jbatch param comes from: an HF tensor name (under ``model.layers.{i}.`` for
+    layer params), whether it is a linear weight (HF ``[out, in]``, transposed on load), and for
+    a fused tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``) the slice of its output rows."""
+
+    name: str
+    linear: bool = False
+    rows: tuple[int, int] | None = None  # [start, stop) of the fused tensor's out rows
+    fused_out: int = 0  # out rows of the whole fused tensor
+
+    def hf_shape(self, jb_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The file's shape of the tensor behind a param of (per-layer) shape ``jb_shape``."""
+        shape = jb_shape[::-1] if self.linear else jb_shape
+        return (self.fused_out, *shape[1:]) if self.rows else shape
+
+    def take(self, tensor):
+        """The param's part of the file's tensor (a view for a fused one), in HF layout."""
+        return tensor[self.rows[0] : self.rows[1]] if self.rows else tensor
+
+
+# jbatch layer param -> its HF tensor, for the Llama layout every family starts from.
 _LAYER_TENSORS = {
-    "attn_norm": ("input_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False),
-    "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "bo": ("self_attn.o_proj.bias", False),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
-    "b_gate": ("mlp.gate_proj.bias", False),
-    "b_up": ("mlp.up_proj.bias", False),
-    "b_down": ("mlp.down_proj.bias", False),
+    "attn_norm": Source("input_layernorm.weight"),
+    "wq": Source("self_attn.q_proj.weight", True),
+    "wk": Source("self_attn.k_proj.weight", True),
+    "wv": Source("self_attn.v_proj.weight", True),
+    "wo": Source("self_attn.o_proj.weight", True),
+    "bq": Source("self_attn.q_proj.bias"),
+    "bk": Source("self_attn.k_proj.bias"),
+    "bv": Source("self_attn.v_proj.bias"),
+    "bo": Source("self_attn.o_proj.bias"),
+    "q_norm": Source("self_attn.q_norm.weight"),
+    "k_norm": Source("self_attn.k_norm.weight"),
+    "mlp_norm": Source("post_attention_layernorm.weight"),
+    "w_gate": Source("mlp.gate_proj.weight", True),
+    "w_up": Source("mlp.up_proj.weight", True),
+    "w_down": Source("mlp.down_proj.weight", True),
+    "b_gate": Source("mlp.gate_proj.bias"),
+    "b_up": Source("mlp.up_proj.bias"),
+    "b_down": Source("mlp.down_proj.bias"),
 }
-# jbatch top-level param -> (HF name, is_linear_weight)
+# Gemma 2/3 normalise four times a layer; their `post_attention_layernorm` is the norm of the
+# attention *output*, and the pre-MLP norm is `pre_feedforward_layernorm`.
+_SANDWICH_NORMS = {
+    "post_attn_norm": Source("post_attention_layernorm.weight"),
+    "mlp_norm": Source("pre_feedforward_layernorm.weight"),
+    "post_mlp_norm": Source("post_feedforward_layernorm.weight"),
+}
+# jbatch top-level param -> its HF tensor name after the model prefix (see `weight_prefix`).
 _TOP_TENSORS = {
-    "embed": ("model.embed_tokens.weight", False),
-    "final_norm": ("model.norm.weight", False),
-    "lm_head": ("lm_head.weight", False),  # kept [V, E], like the embedding (faster LM head)
+    "embed": Source("embed_tokens.weight"),
+    "final_norm": Source("norm.weight"),
+    "lm_head": Source("lm_head.weight"),  # kept [V, E], like the embedding (faster LM head)
 }
+# Where the decoder's tensors live: causal LMs under `model.`; Gemma 3 multimodal folders keep
+# the language model under `model.language_model.` (transformers 5) or `language_model.model.`.
+_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+
+
+def layer_sources(cfg: ModelConfig) -> dict[str, Source]:
+    """The HF tensor of every layer param of ``cfg``'s family."""
+    sources = dict(_LAYER_TENSORS)
+    if cfg.sandwich_norms:
+        sources.update(_SANDWICH_NORMS)
+    if cfg.model_type == "phi3":  # fused projections, split on load
+        q, kv, f = (
+            cfg.num_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+            cfg.intermediate_size,
+        )
+        qkv = lambda lo, hi: Source("self_attn.qkv_proj.weight", True, (lo, hi), q + 2 * kv)
+        gate_up = lambda lo, hi: Source("mlp.gate_up_proj.weight", True, (lo, hi), 2 * f)
+        sources.update(
+            wq=qkv(0, q), wk=qkv(q, q + kv), wv=qkv(q + kv, q + 2 * kv),
+            w_gate=gate_up(0, f), w_up=gate_up(f, 2 * f),
+        )  # fmt: skip
+    return sources
+
+
+def weight_prefix(names, where: str) -> str:
+    """The prefix of the decoder's tensors among tensor ``names`` (see ``_PREFIXES``)."""
+    for prefix in _PREFIXES:
+        if f"{prefix}embed_tokens.weight" in names:
+            return prefix
+    raise CheckpointError(
+        f"{where}: no embedding tensor found (looked for "
+        f"{', '.join(p + 'embed_tokens.weight' for p in _PREFIXES)})"
+    )
+
+
+def top_name(key: str, prefix: str) -> str:
+    """The HF name of top-level param ``key`` (the LM head sits outside the model prefix)."""
+    return _TOP_TENSORS[key].name if key == "lm_head" else prefix + _TOP_TENSORS[key].name
 
 
 def expected_param_shapes(cfg: ModelConfig) -> dict:
@@ -87,6 +156,10 @@ def expected_param_shapes(cfg: ModelConfig) -> dict:
         layers["bo"] = (L, E)
     if cfg.mlp_bias:
         layers.update(b_gate=(L, F), b_up=(L, F), b_down=(L, E))
+    if cfg.qk_norm:
+        layers.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    if cfg.sandwich_norms:
+        layers.update(post_attn_norm=(L, E), post_mlp_norm=(L, E))
     shapes: dict[str, Any] = {"embed": (V, E), "layers": layers, "final_norm": (E,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (V, E)
@@ -196,26 +269,27 @@ def load_params(
         raise FileNotFoundError(f"{model_dir}: model directory not found")
     target = _resolve_dtype(dtype, str(model_dir))
     shapes = expected_param_shapes(cfg)
+    sources = layer_sources(cfg)
 
-    def hf_shape(shape: tuple[int, ...], linear: bool) -> tuple[int, ...]:
-        return shape[::-1] if linear else shape
+    def read(reader: _Reader, name: str, source: Source, shape: tuple[int, ...]) -> HostArray:
+        t = source.take(reader.get(name, source.hf_shape(shape)))
+        return t.T if source.linear else t
 
     params: Params = {"layers": {}}
     with contextlib.ExitStack() as stack:
         reader = _Reader(model_dir, stack)
-        for key, (hf_name, linear) in _TOP_TENSORS.items():
+        prefix = weight_prefix(reader.weight_map, str(model_dir))
+        for key, source in _TOP_TENSORS.items():
             if key not in shapes:
                 continue  # lm_head with tied embeddings: ignore lm_head.weight if present
-            t = reader.get(hf_name, hf_shape(shapes[key], linear))
-            params[key] = jnp.asarray((t.T if linear else t).astype(target))
+            t = read(reader, top_name(key, prefix), source, shapes[key])
+            params[key] = jnp.asarray(t.astype(target))
             del t
         for key, shape in shapes["layers"].items():
-            suffix, linear = _LAYER_TENSORS[key]
+            source = sources[key]
             buf = np.empty(shape, dtype=target)
             for i in range(cfg.num_layers):
-                t = reader.get(f"model.layers.{i}.{suffix}", hf_shape(shape[1:], linear))
-                buf[i] = t.T if linear else t
-                del t
+                buf[i] = read(reader, f"{prefix}layers.{i}.{source.name}", source, shape[1:])
             params["layers"][key] = jnp.asarray(buf)
             del buf
     return {k: params[k] for k in ("embed", "layers", "final_norm", "lm_head") if k in params}

@@ -43,6 +43,8 @@ def paged_attention_rows(
     positions: Int[Array, " t"],
     *,
     sliding_window: int | None = None,
+    scale: float | None = None,
+    soft_cap: float | None = None,
     max_query_len: int | None = None,
     interpret: bool = False,
 ) -> Float[Array, "t h d"]:
@@ -68,6 +70,8 @@ def paged_attention_rows(
         seq_lens,
         query_starts,
         sliding_window=sliding_window,
+        scale=scale,
+        soft_cap=soft_cap,
         max_query_len=max_query_len,
         interpret=interpret,
     )
@@ -83,9 +87,13 @@ def paged_attention(
     q_positions: Int[Array, "n bq"],
     *,
     sliding_window: int | None = None,
+    scale: float | None = None,
+    soft_cap: float | None = None,
     impl: str = "auto",
 ) -> Float[Array, "n bq h d"]:
     """Attention of query blocks over a paged KV pool (layout: ``paged_attention_reference``).
+    ``scale`` is the softmax scale (default ``head_dim ** -0.5``); ``soft_cap`` squashes scores
+    to ``cap * tanh(score / cap)`` (Gemma 2).
 
     With a Pallas impl a block's valid rows must be its last tokens in order (as the engine
     builds them): see :func:`paged_attention_rows`."""
@@ -102,9 +110,20 @@ def paged_attention(
             block_tables,
             q_positions.reshape(n * bq),
             sliding_window=sliding_window,
+            scale=scale,
+            soft_cap=soft_cap,
             max_query_len=bq,
             interpret=impl == "pallas_interpret",
         )
         return out.reshape(n, bq, h, d)
     fn = {"reference": paged_attention_reference, "xla": paged_attention_xla}[impl]
-    return fn(q, k_pages, v_pages, block_tables, q_positions, sliding_window=sliding_window)
+    return fn(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        q_positions,
+        sliding_window=sliding_window,
+        scale=scale,
+        soft_cap=soft_cap,
+    )

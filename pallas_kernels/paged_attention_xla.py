@@ -32,12 +32,13 @@ def paged_attention_xla(
     *,
     sliding_window: int | None = None,
     scale: float | None = None,
+    soft_cap: float | None = None,
     chunk_tokens: int = 64,
 ) -> Float[Array, "n bq h d"]:
     n, bq = q.shape[:2]
     g = DECODE_ROW_GROUP
     attend = lambda q, tables, pos: _attend(
-        q, k_pages, v_pages, tables, pos, sliding_window, scale, chunk_tokens
+        q, k_pages, v_pages, tables, pos, sliding_window, scale, soft_cap, chunk_tokens
     )
     if not (bq == 1 and n > g and n % g == 0):
         return attend(q, block_tables, q_positions)
@@ -57,7 +58,9 @@ def paged_attention_xla(
 DECODE_ROW_GROUP = 8  # single-row blocks per group (each group: its own trip count)
 
 
-def _attend(q, k_pages, v_pages, block_tables, q_positions, sliding_window, scale, chunk_tokens):
+def _attend(
+    q, k_pages, v_pages, block_tables, q_positions, sliding_window, scale, soft_cap, chunk_tokens
+):
     n, bq, h, d = q.shape
     _, page_size, kvh, _ = k_pages.shape
     g = h // kvh
@@ -92,6 +95,8 @@ def _attend(q, k_pages, v_pages, block_tables, q_positions, sliding_window, scal
         v = jnp.where(live[:, :, None, None], v, 0).astype(jnp.float32)
         mask = key_mask(q_positions, kpos, sliding_window)[:, None, None]  # [N, 1, 1, Bq, CL]
         s = jnp.einsum("nbkgd,nckd->nkgbc", qg, k.astype(jnp.float32))  # [N, KVH, G, Bq, CL]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         s = jnp.where(mask, s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # [N, KVH, G, Bq]
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)

@@ -160,7 +160,7 @@ def step_variant(cfg: ModelConfig, params: dict, rows: int, ctx: int = 60) -> Va
 
     def step(params, cache):
         h, cache = llama.forward(params, cfg, cache, tokens, pos, slots, tables, num_decode=rows)
-        return cache, jnp.argmax(llama.compute_logits(params, h), axis=-1)
+        return cache, jnp.argmax(llama.compute_logits(params, h, cfg), axis=-1)
 
     def pool():
         return KVCache.zeros(cfg, rows * pages_per_seq + 1, page_size, jnp.float32)
@@ -193,7 +193,7 @@ def build_variants(names, cfg, stacked, params, rows) -> dict[str, Variant]:
     layers = params["layers"]
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((rows, cfg.hidden_size)), jnp.float32)
-    cos, sin = llama.rope_tables(cfg, jnp.arange(rows))
+    cos, sin = llama.rope_tables(cfg.ropes[0], cfg.head_dim, jnp.arange(rows))
     hot = tuple(layers[0] for _ in layers)
     out: dict[str, Variant] = {}
     for name in names:

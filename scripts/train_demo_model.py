@@ -100,7 +100,7 @@ def init_params(cfg: ModelConfig, key) -> dict:
 def dense_forward(params, cfg: ModelConfig, tokens):  # tokens [B, T] -> logits [B, T, V]
     b, t = tokens.shape
     h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    cos, sin = rope_tables(cfg, jnp.arange(t))
+    cos, sin = rope_tables(cfg.ropes[0], cfg.head_dim, jnp.arange(t))
     causal = jnp.tril(jnp.ones((t, t), bool))
     x = params["embed"][tokens]  # [B, T, E]
     lp = params["layers"]

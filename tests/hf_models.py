@@ -47,7 +47,58 @@ VARIANTS = {
     ),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=12, head_dim=32)),
-}
+    # q/k norm, an explicit head_dim != hidden/heads, YaRN scaling.
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            head_dim=32,
+            rope_parameters=dict(
+                rope_type="yarn", rope_theta=10000.0, factor=8.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    # Sandwich norms, GeGLU, query_pre_attn_scalar != head_dim, both soft caps, sliding layers
+    # alternating with global ones (window shorter than the prompts).
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+            attn_logit_softcapping=3.0, final_logit_softcapping=5.0, pad_token_id=0,
+        ),
+    ),
+    # Gemma 2's layout plus q/k norm and per-layer-type RoPE: local layers on their own base,
+    # the global layer with linear scaling.
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters=dict(
+                sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                full_attention=dict(rope_type="linear", factor=2.0, rope_theta=1000000.0),
+            ),
+            pad_token_id=0,
+        ),
+    ),
+    # Fused qkv/gate_up, partial rotary, LongRoPE (sequences here stay inside the original
+    # window, where HF uses the short factors; tests/test_rope.py checks the long ones).
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            max_position_embeddings=512, original_max_position_embeddings=256, pad_token_id=0,
+            rope_parameters=dict(
+                rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                short_factor=[1.0, 1.3, 1.9, 2.5], long_factor=[1.1, 2.0, 4.0, 8.0],
+                original_max_position_embeddings=256,
+            ),
+        ),
+    ),
+}  # fmt: skip
 
 # Variants for tensor-parallel tests (8 query heads, so tp in {1, 2, 4, 8} divides them): KV
 # heads replicated over shards (llama: 2 KV heads), split then replicated at tp=8 (qwen2: 4, with

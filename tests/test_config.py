@@ -6,7 +6,12 @@ import json
 
 import pytest
 
-from jbatch.models.config import ConfigError, ModelConfig, rope_inv_freq
+from jbatch.models.config import ConfigError, ModelConfig
+from jbatch.models.rope import inv_freq
+
+
+def rope_inv_freq(cfg):
+    return list(inv_freq(cfg.ropes[0], cfg.head_dim))
 
 BASE = dict(
     architectures=["LlamaForCausalLM"],
@@ -67,8 +72,8 @@ def test_missing_field_is_named(field, tmp_path):
 def test_bad_values_are_named():
     with pytest.raises(ConfigError, match="num_key_value_heads=3"):
         ModelConfig.from_hf_dict({**BASE, "num_key_value_heads": 3})
-    with pytest.raises(ConfigError, match="'yarn'"):
-        ModelConfig.from_hf_dict({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ConfigError, match="'ntk-by-parts'"):
+        ModelConfig.from_hf_dict({**BASE, "rope_scaling": {"rope_type": "ntk-by-parts"}})
     with pytest.raises(ConfigError, match="low_freq_factor"):
         ModelConfig.from_hf_dict({**BASE, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     with pytest.raises(ConfigError, match="gelu"):

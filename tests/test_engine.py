@@ -58,7 +58,9 @@ def llama(hf_checkpoint):
     return LLM(path, **ENGINE), model
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize(
+    "variant", ["llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "phi3"]
+)
 def test_greedy_fidelity_vs_hf_through_small_pool(variant, hf_checkpoint, llama):
     path, model = hf_checkpoint(variant)
     llm = llama[0] if variant == "llama" else LLM(path, **ENGINE)

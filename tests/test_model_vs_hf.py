@@ -53,7 +53,7 @@ def _jitted_forward(cfg, impl, params, cache, tokens, positions, slots, tables, 
         block_q=BLOCK_Q,
         attn_impl=impl,
     )
-    return compute_logits(params, h), cache
+    return compute_logits(params, h, cfg), cache
 
 
 class PagedRunner:

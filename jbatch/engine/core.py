@@ -264,7 +264,7 @@ def step(
     done_slot = jnp.where(block_done.any(axis=1), p_slot[block_q * jnp.arange(nb)], s)  # [NB]
     slot_row = slot_row.at[done_slot].set(bd + jnp.arange(nb, dtype=jnp.int32), mode="drop")
     sampled = decode.at[done_slot].set(True, mode="drop")
-    logits = compute_logits(params, hidden[head_rows])[slot_row]  # [S, V]
+    logits = compute_logits(params, hidden[head_rows], model_cfg)[slot_row]  # [S, V]
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)
     new_tok, logprobs = sample(logits, state.sampling, state.num_generated, prompt_mask, counts)

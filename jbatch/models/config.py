@@ -11,14 +11,22 @@ import math
 from pathlib import Path
 from typing import Any
 
+from jbatch.models.rope import Rope, RopeError, parse_rope
+
 # HF `architectures` entry -> the family name used in this package.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its language model, from `text_config`
+    "Phi3ForCausalLM": "phi3",
 }
-SUPPORTED_MODEL_TYPES = frozenset(SUPPORTED_ARCHITECTURES.values())
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_MODEL_TYPES = frozenset(SUPPORTED_ARCHITECTURES.values()) | {"gemma3_text"}
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+GEMMA_FAMILIES = ("gemma2", "gemma3")
 
 _REQUIRED_FIELDS = (
     "vocab_size",
@@ -34,28 +42,12 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling (HF ``rope_scaling``); ``rope_type='default'`` means none."""
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self):
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError(
-                f"rope_scaling.rope_type={self.rope_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-            )
-        if self.factor <= 0:
-            raise ConfigError(f"rope_scaling.factor must be > 0, got {self.factor}")
-
-
-@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Static description of a Llama / Mistral / Qwen2 decoder."""
+    """Static description of a decoder of one of the supported families.
+
+    The families share one forward pass (``jbatch.models.llama``); what differs between them is
+    a handful of switches here, each named after what it does rather than after the family:
+    """
 
     model_type: str
     vocab_size: int
@@ -66,8 +58,8 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling = RopeScaling()
+    # One RoPE per layer (Gemma 3: local layers differ from global ones); () = default RoPE.
+    ropes: tuple[Rope, ...] = ()
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v/o (Llama's `attention_bias`)
@@ -77,11 +69,21 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    hidden_act: str = "silu"
+    hidden_act: str = "silu"  # GLU activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + w), in float32 (Gemma: 1)
+    sandwich_norms: bool = False  # also normalise attention and MLP outputs (Gemma 2/3)
+    embed_multiplier: float = 1.0  # embeddings scaled by this (Gemma: sqrt(hidden_size))
+    attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
+    attn_soft_cap: float | None = None  # cap * tanh(score / cap) (Gemma 2)
+    final_soft_cap: float | None = None  # the same on the logits (Gemma 2)
 
     def __post_init__(self):
-        if self.hidden_act not in ("silu", "swish"):
-            raise ConfigError(f"hidden_act={self.hidden_act!r} is not supported (only 'silu')")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(
+                f"hidden_act={self.hidden_act!r} is not supported (supported: "
+                f"{', '.join(ACTIVATIONS)})"
+            )
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"model_type={self.model_type!r} is not supported")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
@@ -94,13 +96,22 @@ class ModelConfig:
             )
         if self.head_dim <= 0 or self.head_dim % 2:
             raise ConfigError(f"head_dim must be a positive even number, got {self.head_dim}")
-        if not self.sliding_windows:
-            object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
-        if len(self.sliding_windows) != self.num_layers:
-            raise ConfigError(
-                f"sliding_windows has {len(self.sliding_windows)} entries, "
-                f"expected num_layers={self.num_layers}"
-            )
+        for name, default in (("sliding_windows", None), ("ropes", Rope())):
+            value = getattr(self, name) or (default,) * self.num_layers
+            if len(value) != self.num_layers:
+                raise ConfigError(
+                    f"{name} has {len(value)} entries, expected num_layers={self.num_layers}"
+                )
+            object.__setattr__(self, name, tuple(value))
+        for rope in self.ropes:
+            if rope.rotary_dim > self.head_dim:
+                raise ConfigError(
+                    f"rotary dimension {rope.rotary_dim} exceeds head_dim={self.head_dim}"
+                )
+        for name in ("attn_soft_cap", "final_soft_cap", "attn_scale"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0 (or absent), got {value}")
 
     @property
     def q_per_kv(self) -> int:
@@ -114,12 +125,16 @@ class ModelConfig:
     def from_hf_dict(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Build from the parsed contents of an HF config.json; errors name ``source``."""
         model_type = _model_type(hf, source)
+        if "text_config" in hf and model_type == "gemma3":  # a multimodal folder's text model
+            hf = {**hf["text_config"], "architectures": ["Gemma3ForCausalLM"]}
+            source = f"{source} (text_config)"
         missing = [f for f in _REQUIRED_FIELDS if f not in hf]
         if missing:
             raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
         num_heads = int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
         num_layers = int(hf["num_hidden_layers"])
+        gemma = model_type in GEMMA_FAMILIES
         return cls(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -128,19 +143,25 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
+            head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(_rope_theta(hf)),
-            rope_scaling=_rope_scaling(hf, source),
+            ropes=_ropes(hf, model_type, head_dim, num_layers, source),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)) and model_type == "llama",
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+            attention_bias=bool(hf.get("attention_bias", False)) and model_type != "qwen2",
             qkv_bias=model_type == "qwen2",
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_windows=_sliding_windows(hf, model_type, num_layers),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(hf.get("eos_token_id")),
-            hidden_act=str(hf.get("hidden_act", "silu")),
+            hidden_act=str(hf.get("hidden_activation") or hf.get("hidden_act", "silu")),
+            qk_norm=model_type in ("qwen3", "gemma3"),
+            norm_offset=1.0 if gemma else 0.0,
+            sandwich_norms=gemma,
+            embed_multiplier=math.sqrt(int(hf["hidden_size"])) if gemma else 1.0,
+            attn_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else None,
+            attn_soft_cap=_opt_float(hf.get("attn_logit_softcapping")) if gemma else None,
+            final_soft_cap=_opt_float(hf.get("final_logit_softcapping")) if gemma else None,
         )
 
     @classmethod
@@ -173,45 +194,72 @@ def _model_type(hf: dict[str, Any], source: str) -> str:
             f"{source}: model_type={model_type!r} is not supported "
             f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
         )
-    return model_type
+    return "gemma3" if model_type == "gemma3_text" else model_type
 
 
-def _rope_theta(hf: dict[str, Any]) -> float:
-    # transformers >= 5 may nest rope_theta inside rope_parameters.
-    params = hf.get("rope_parameters") or {}
-    return hf.get("rope_theta", params.get("rope_theta", 10000.0))
-
-
-def _rope_scaling(hf: dict[str, Any], source: str) -> RopeScaling:
-    rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    rope_type = rs.get("rope_type", rs.get("type", "default"))
-    if rope_type == "default":
-        return RopeScaling()
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(
-            f"{source}: rope_scaling type {rope_type!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
-    if "factor" not in rs:
-        raise ConfigError(f"{source}: rope_scaling of type {rope_type!r} is missing 'factor'")
-    kwargs: dict[str, Any] = {"rope_type": rope_type, "factor": float(rs["factor"])}
-    if rope_type == "llama3":
-        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            if key not in rs:
-                raise ConfigError(f"{source}: rope_scaling of type 'llama3' is missing {key!r}")
-            kwargs[key] = type(getattr(RopeScaling, key))(rs[key])
-    return RopeScaling(**kwargs)
+def _layer_types(hf: dict[str, Any], model_type: str, num_layers: int) -> list[str]:
+    """ "sliding_attention" / "full_attention" per layer: ``layer_types`` where the config has it
+    (transformers >= 4.5x writes it), else each family's older rule."""
+    if hf.get("layer_types"):
+        return list(hf["layer_types"])
+    if model_type == "gemma2":
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if model_type == "gemma3":
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        return [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    if model_type == "mistral":
+        return ["sliding_attention"] * num_layers
+    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        first = int(hf.get("max_window_layers", num_layers))  # windows from this layer on
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return ["full_attention"] * num_layers
 
 
 def _sliding_windows(hf: dict[str, Any], model_type: str, num_layers: int):
     window = hf.get("sliding_window")
-    if model_type == "mistral":
+    if model_type == "mistral" and not hf.get("layer_types"):
         return (window,) * num_layers
-    if model_type == "qwen2" and hf.get("use_sliding_window") and window:
-        # Qwen2 applies the window only to layers at or above max_window_layers.
-        first = int(hf.get("max_window_layers", num_layers))
-        return tuple(window if i >= first else None for i in range(num_layers))
-    return (None,) * num_layers
+    types = _layer_types(hf, model_type, num_layers)
+    if len(types) != num_layers:
+        raise ConfigError(f"layer_types has {len(types)} entries, expected {num_layers}")
+    return tuple(int(window) if t == "sliding_attention" and window else None for t in types)
+
+
+def _ropes(hf: dict[str, Any], model_type: str, head_dim: int, num_layers: int, source: str):
+    """One :class:`Rope` per layer from ``rope_parameters`` (transformers >= 5; per layer type
+    for Gemma 3) or the older ``rope_scaling`` + ``rope_theta`` (+ Gemma 3's
+    ``rope_local_base_freq`` for its sliding layers)."""
+    params = hf.get("rope_parameters") or {}
+    try:
+        if model_type == "gemma3":
+            return _gemma3_ropes(hf, params, head_dim, num_layers, source)
+        merged = {**params, **(hf.get("rope_scaling") or {})}
+        return (parse_rope(merged, hf, head_dim, source),) * num_layers
+    except RopeError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _gemma3_ropes(hf, params, head_dim: int, num_layers: int, source: str):
+    """Gemma 3: sliding layers rotate with their own base and no scaling, global layers with
+    ``rope_theta`` and ``rope_scaling``."""
+    if "full_attention" in params or "sliding_attention" in params:  # transformers >= 5
+        full = {"rope_theta": 1e6, **(params.get("full_attention") or {})}
+        local = {"rope_theta": 1e4, **(params.get("sliding_attention") or {})}
+    else:
+        full = {"rope_theta": hf.get("rope_theta", 1e6), **(hf.get("rope_scaling") or {})}
+        local = {"rope_theta": hf.get("rope_local_base_freq", 1e4)}
+    by_type = {
+        "full_attention": parse_rope(full, hf, head_dim, source),
+        "sliding_attention": parse_rope(local, hf, head_dim, source),
+    }
+    return tuple(by_type[t] for t in _layer_types(hf, "gemma3", num_layers))
+
+
+def _opt_float(value) -> float | None:
+    return None if value is None else float(value)
 
 
 def _as_id_tuple(value) -> tuple[int, ...]:
@@ -220,29 +268,3 @@ def _as_id_tuple(value) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> list[float]:
-    """Inverse RoPE frequencies after scaling, computed as HF transformers does (host side)."""
-    dim = cfg.head_dim
-    inv = [1.0 / (cfg.rope_theta ** (i / dim)) for i in range(0, dim, 2)]
-    rs = cfg.rope_scaling
-    if rs.rope_type == "linear":
-        return [f / rs.factor for f in inv]
-    if rs.rope_type == "llama3":
-        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-        out = []
-        for f in inv:
-            wavelen = 2 * math.pi / f
-            if wavelen < high_wavelen:
-                out.append(f)
-            elif wavelen > low_wavelen:
-                out.append(f / rs.factor)
-            else:
-                smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-                    rs.high_freq_factor - rs.low_freq_factor
-                )
-                out.append((1 - smooth) * f / rs.factor + smooth * f)
-        return out
-    return inv

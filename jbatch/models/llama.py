@@ -1,4 +1,11 @@
-"""Llama / Mistral / Qwen2 decoder over a paged KV pool, as pure functions of a params pytree.
+"""The decoder of every supported family (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3) over a
+paged KV pool, as pure functions of a params pytree.
+
+One forward with a few switches from :class:`ModelConfig` rather than a module per family: the
+families differ in a handful of places (norm style, extra norms, q/k norm, activation, logit
+caps, per-layer RoPE and window), and one loop keeps the paged-attention plumbing, the KV
+scatter and the tensor-parallel hooks in one place. A family's switches are set only by
+``ModelConfig.from_hf_dict``; the weights' names only by ``jbatch.checkpoint``.
 
 Why pure functions over a dict of arrays instead of Flax modules: the engine jit-compiles a few
 pure functions that *donate* the whole engine state (KV pool included) and update it by scatter;
@@ -24,35 +31,41 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jbatch.models.config import ModelConfig, rope_inv_freq
+from jbatch.models.config import ModelConfig
 from jbatch.models.kv_cache import KVCache, write_layer, write_locations
+from jbatch.models.rope import Rope, apply_rope, rope_tables
 from pallas_kernels import PALLAS_IMPLS, paged_attention, paged_attention_rows, resolve_impl
 
 Params = dict
 
 
-def rms_norm(x: Float[Array, "t e"], w: Float[Array, " e"], eps: float) -> Float[Array, "t e"]:
+def rms_norm(
+    x: Float[Array, "t e"], w: Float[Array, " e"], eps: float, offset: float = 0.0
+) -> Float[Array, "t e"]:
+    """RMSNorm. ``offset=0``: Llama's ``w * norm(x)`` (cast before the scale); otherwise
+    Gemma's ``norm(x) * (offset + w)`` in float32, cast after."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (x32 * (offset + w.astype(jnp.float32))).astype(x.dtype)
     return w * x32.astype(x.dtype)
 
 
-def rope_tables(
-    cfg: ModelConfig, positions: Int[Array, " t"]
-) -> tuple[Float[Array, "t half"], Float[Array, "t half"]]:
-    inv_freq = jnp.asarray(np.asarray(rope_inv_freq(cfg), np.float32))  # [D/2]
-    angles = jnp.maximum(positions, 0).astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
+def _norm(cfg: ModelConfig, x, w):
+    return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
 
 
-def apply_rope(
-    x: Float[Array, "t h d"], cos: Float[Array, "t half"], sin: Float[Array, "t half"]
-) -> Float[Array, "t h d"]:
-    """Rotate-half RoPE (the HF Llama convention: first and second halves of each head)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+def _activation(cfg: ModelConfig, x):
+    if cfg.hidden_act == "gelu_pytorch_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu(x)
+
+
+def soft_cap(x, cap: float | None):
+    """``cap * tanh(x / cap)`` (Gemma 2's logit soft-capping); identity when ``cap`` is None."""
+    if cap is None:
+        return x
+    return cap * jnp.tanh(x / cap)
 
 
 def _linear(x, layer: Params, w: str, b: str):
@@ -91,6 +104,8 @@ def _attention(
     block_q: int,
     sliding_window: int | None,
     impl: str,
+    scale: float | None = None,
+    logit_cap: float | None = None,
 ) -> Float[Array, "t h d"]:
     t, h, d = q.shape
     kp, vp = cache.k[layer], cache.v[layer]  # [P, S, KVH, D] each
@@ -113,6 +128,8 @@ def _attention(
             page_tables[entry_slots],
             positions,
             sliding_window=sliding_window,
+            scale=scale,
+            soft_cap=logit_cap,
             max_query_len=block_q if num_blocks else 1,
             interpret=impl == "pallas_interpret",
         )
@@ -125,6 +142,8 @@ def _attention(
             page_tables[jnp.clip(slots[:num_decode], 0, page_tables.shape[0] - 1)],
             positions[:num_decode, None],
             sliding_window=sliding_window,
+            scale=scale,
+            soft_cap=logit_cap,
             impl=impl,
         )
         outs.append(o.reshape(num_decode, h, d))
@@ -139,6 +158,8 @@ def _attention(
             page_tables[block_slots],
             positions[num_decode:].reshape(nb, block_q),
             sliding_window=sliding_window,
+            scale=scale,
+            soft_cap=logit_cap,
             impl=impl,
         )
         outs.append(o.reshape(num_prefill, h, d))
@@ -173,16 +194,21 @@ def forward(
     h_, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layers = params["layers"]
     x = params["embed"][jnp.clip(tokens, 0, cfg.vocab_size - 1)]  # [T, E]
-    cos, sin = rope_tables(cfg, positions)
+    if cfg.embed_multiplier != 1.0:
+        x = x * jnp.asarray(cfg.embed_multiplier, x.dtype)  # rounded to x's dtype, as HF does
+    tables: dict[Rope, tuple] = {r: rope_tables(r, d, positions) for r in set(cfg.ropes)}
     pages, offsets = write_locations(
         page_tables, slots, positions, cache.page_size, cache.num_pages
     )
     for i in range(cfg.num_layers):
         lp = layer_params(layers, i)
-        xn = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        xn = _norm(cfg, x, lp["attn_norm"])
         q = _linear(xn, lp, "wq", "bq").reshape(t, h_, d)
         k = _linear(xn, lp, "wk", "bk").reshape(t, kvh, d)
         v = _linear(xn, lp, "wv", "bv").reshape(t, kvh, d)
+        if cfg.qk_norm:
+            q, k = _norm(cfg, q, lp["q_norm"]), _norm(cfg, k, lp["k_norm"])
+        cos, sin = tables[cfg.ropes[i]]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache = write_layer(cache, i, k, v, pages, offsets)
         attn = attend(
@@ -196,16 +222,24 @@ def forward(
             block_q,
             cfg.sliding_windows[i],
             attn_impl,
+            cfg.attn_scale,
+            cfg.attn_soft_cap,
         )
-        x = x + _linear(attn.reshape(t, h_ * d), lp, "wo", "bo")
-        xn = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+        out = _linear(attn.reshape(t, h_ * d), lp, "wo", "bo")
+        x = x + (_norm(cfg, out, lp["post_attn_norm"]) if cfg.sandwich_norms else out)
+        xn = _norm(cfg, x, lp["mlp_norm"])
         gate = _linear(xn, lp, "w_gate", "b_gate")
         up = _linear(xn, lp, "w_up", "b_up")
-        x = x + _linear(jax.nn.silu(gate) * up, lp, "w_down", "b_down")
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
+        out = _linear(_activation(cfg, gate) * up, lp, "w_down", "b_down")
+        x = x + (_norm(cfg, out, lp["post_mlp_norm"]) if cfg.sandwich_norms else out)
+    return _norm(cfg, x, params["final_norm"]), cache
 
 
-def compute_logits(params: Params, hidden: Float[Array, "n e"]) -> Float[Array, "n vocab"]:
-    """LM head (tied to the embedding when the checkpoint has no ``lm_head``), in float32."""
+def compute_logits(
+    params: Params, hidden: Float[Array, "n e"], cfg: ModelConfig
+) -> Float[Array, "n vocab"]:
+    """LM head (tied to the embedding when the checkpoint has no ``lm_head``), in float32, with
+    the model's final soft cap (Gemma 2)."""
     head = params.get("lm_head", params["embed"])  # [V, E]: rows stream contiguously
-    return (hidden @ head.T).astype(jnp.float32)
+    logits = (hidden @ head.T).astype(jnp.float32)
+    return soft_cap(logits, cfg.final_soft_cap)

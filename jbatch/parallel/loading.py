@@ -22,13 +22,16 @@ from jax.sharding import Mesh
 
 from jbatch.checkpoint import (
     _FLOAT_TAGS,
-    _LAYER_TENSORS,
     _TOP_TENSORS,
     CheckpointError,
     Params,
+    Source,
     _resolve_dtype,
     _weight_map,
     expected_param_shapes,
+    layer_sources,
+    top_name,
+    weight_prefix,
 )
 from jbatch.models.config import ModelConfig
 from jbatch.parallel.mesh import kv_replication, sharded_model_config
@@ -98,15 +101,20 @@ def load_params_sharded(
     shardings = param_shardings(mesh, shapes)
     files = _Files(model_dir)
 
-    def read(name: str, hf_shape: tuple, linear: bool, kv: bool, index: tuple) -> np.ndarray:
-        """One layer's (or a top-level) tensor, restricted to ``index`` of the jbatch layout."""
-        jb_shape = hf_shape[::-1] if linear else hf_shape
+    sources = layer_sources(model_cfg)
+    prefix = weight_prefix(files.weight_map, str(model_dir))
+
+    def read(name: str, source: Source, jb_shape: tuple, kv: bool, index: tuple) -> np.ndarray:
+        """One layer's (or a top-level) tensor of jbatch shape ``jb_shape`` (the checkpoint's
+        KV heads), restricted to ``index`` of the jbatch layout (KV heads replicated)."""
+        linear = source.linear
         if kv:  # the out axis (last in jbatch layout) is in replicated-head space
             jb_shape = (*jb_shape[:-1], jb_shape[-1] * r)
         idx = [np.arange(n)[s] for n, s in zip(jb_shape, index)]
         if kv:
             idx[-1] = _kv_rows(idx[-1], d, r)
-        part = files.tensor(name, hf_shape)
+        hf_jb_shape = (*jb_shape[:-1], jb_shape[-1] // r) if kv else jb_shape
+        part = source.take(files.tensor(name, source.hf_shape(hf_jb_shape)))
         for axis, ix in enumerate(idx[::-1] if linear else idx):  # HF linear layout: [out, in]
             part = part[(slice(None),) * axis + (_as_index(ix),)]
         out = np.asarray(part.T if linear else part, dtype=target)
@@ -114,25 +122,20 @@ def load_params_sharded(
         return out
 
     def top(key: str):
-        hf_name, linear = _TOP_TENSORS[key]
         shape = shapes[key]
-        hf_shape = shape[::-1] if linear else shape
-        cb = lambda index: read(hf_name, hf_shape, linear, False, index)
+        cb = lambda index: read(top_name(key, prefix), _TOP_TENSORS[key], shape, False, index)
         return jax.make_array_from_callback(shape, shardings[key], cb)
 
     def layer(key: str):
-        suffix, linear = _LAYER_TENSORS[key]
-        shape, kv = shapes["layers"][key], key in _KV_KEYS
+        source, shape, kv = sources[key], shapes["layers"][key], key in _KV_KEYS
         per_layer = list(shape[1:])
         if kv:
             per_layer[-1] //= r  # the checkpoint holds the original KV heads
-        hf_shape = tuple(per_layer[::-1] if linear else per_layer)
 
         def cb(index):
             layers = range(shape[0])[index[0]]
-            parts = [
-                read(f"model.layers.{i}.{suffix}", hf_shape, linear, kv, index[1:]) for i in layers
-            ]
+            name = lambda i: f"{prefix}layers.{i}.{source.name}"
+            parts = [read(name(i), source, tuple(per_layer), kv, index[1:]) for i in layers]
             return np.stack(parts)
 
         return jax.make_array_from_callback(shape, shardings["layers"][key], cb)
