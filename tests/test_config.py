@@ -13,6 +13,7 @@ from jbatch.models.rope import inv_freq
 def rope_inv_freq(cfg):
     return list(inv_freq(cfg.ropes[0], cfg.head_dim))
 
+
 BASE = dict(
     architectures=["LlamaForCausalLM"],
     vocab_size=100,
