@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jbatch.models import quant
 from jbatch.models.config import ModelConfig, rope_inv_freq
 from jbatch.models.kv_cache import KVCache, write_layer, write_locations
 from pallas_kernels import PALLAS_IMPLS, paged_attention, paged_attention_rows, resolve_impl
@@ -56,7 +57,7 @@ def apply_rope(
 
 
 def _linear(x, layer: Params, w: str, b: str):
-    y = x @ layer[w]
+    y = quant.matmul(x, layer[w], layer.get(quant.scale_key(w)))
     return y + layer[b] if b in layer else y
 
 
@@ -172,7 +173,7 @@ def forward(
         )
     h_, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layers = params["layers"]
-    x = params["embed"][jnp.clip(tokens, 0, cfg.vocab_size - 1)]  # [T, E]
+    x = quant.embed_rows(params, jnp.clip(tokens, 0, cfg.vocab_size - 1))  # [T, E]
     cos, sin = rope_tables(cfg, positions)
     pages, offsets = write_locations(
         page_tables, slots, positions, cache.page_size, cache.num_pages
@@ -207,5 +208,6 @@ def forward(
 
 def compute_logits(params: Params, hidden: Float[Array, "n e"]) -> Float[Array, "n vocab"]:
     """LM head (tied to the embedding when the checkpoint has no ``lm_head``), in float32."""
-    head = params.get("lm_head", params["embed"])  # [V, E]: rows stream contiguously
-    return (hidden @ head.T).astype(jnp.float32)
+    key = quant.head_key(params)
+    head = params[key]  # [V, E]: rows stream contiguously
+    return quant.matmul_t(hidden, head, params.get(quant.scale_key(key))).astype(jnp.float32)
