@@ -10,6 +10,7 @@ checkout; the first row is the float32 reference):
   argmax next token is the reference's;
 * perplexity on the held-out text (exp of the mean next-token NLL) and its change;
 * params bytes, KV-pool bytes per token (every pool buffer, scales included);
+* one layer-sized matmul, float vs int8 weights, float32 and bfloat16 activations;
 * decode speed: output tokens/s of ``LLM.generate`` (greedy, 8 prompts x 64 tokens, 8 slots;
   the best of 3 runs after a warm-up run).
 
@@ -44,7 +45,7 @@ from jbatch.checkpoint import load_model
 from jbatch.demo import demo_model_path
 from jbatch.engine.state import init_state
 from jbatch.models import llama
-from jbatch.models.quant import ensure_quantized
+from jbatch.models.quant import ensure_quantized, matmul, quantize
 from jbatch.parallel.loading import params_bytes
 from jbatch.tiny_model import write_random_llama
 from jbatch.tokenizer import Tokenizer
@@ -160,6 +161,36 @@ def bench_model(name: str, model_dir: Path, text: str, args) -> list[dict]:
     return rows
 
 
+def matmul_timings(shape=(8, 1024, 4096), calls: int = 50) -> list[dict]:
+    """One ``[T, K] x [K, N]`` matmul, float weights vs ``quant.matmul`` on int8 ones, per
+    activation dtype (interleaved, the median of 5 rounds of ``calls`` calls each)."""
+    t, k, n = shape
+    w = jax.random.normal(jax.random.key(0), (k, n))
+    q, scale = quantize(w)
+    out = []
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jax.random.normal(jax.random.key(1), (t, k)).astype(dtype)
+        fns = {
+            "float": (jax.jit(lambda x, w: x @ w), (x, w.astype(dtype))),
+            "int8": (jax.jit(matmul), (x, q, scale)),
+        }
+        times = {name: [] for name in fns}
+        for _ in range(5):
+            for name, (fn, fargs) in fns.items():
+                fn(*fargs).block_until_ready()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    r = fn(*fargs)
+                r.block_until_ready()
+                times[name].append((time.perf_counter() - t0) / calls * 1e3)
+        row = {"shape": list(shape), "dtype": jnp.dtype(dtype).name}
+        row |= {f"{name}_ms": float(np.median(v)) for name, v in times.items()}
+        print(f"matmul {shape} {row['dtype']}: float {row['float_ms']:.3f} ms, "
+              f"int8 {row['int8_ms']:.3f} ms", flush=True)  # fmt: skip
+        out.append(row)
+    return out
+
+
 def format_row(r: dict) -> str:
     speed = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
     return (
@@ -184,6 +215,7 @@ def main() -> None:
     ap.add_argument("--out", default="docs/bench_quant.json")
     args = ap.parse_args()
     text = held_out_text(2_000_000)
+    matmuls = matmul_timings()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
@@ -201,7 +233,8 @@ def main() -> None:
         date=datetime.date.today().isoformat(), machine=f"{platform.machine()} CPU",
         jax=jax.__version__, windows=args.windows, window=args.window,
     )  # fmt: skip
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    result = {"meta": meta, "rows": rows, "matmul": matmuls}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 
