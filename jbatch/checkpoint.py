@@ -22,6 +22,16 @@ from jaxtyping import Float
 from safetensors import safe_open
 
 from jbatch.models.config import ModelConfig
+from jbatch.models.quant import (
+    HostStack,
+    WeightQuant,
+    cast_floats,
+    head_key,
+    quantize_top,
+    scale_key,
+    weight_of,
+)
+from jbatch.models.quant import param_shapes as quant_param_shapes
 
 Params = dict[str, Any]  # nested dict of Float[Array, "..."]
 HostArray = Float[np.ndarray, "..."]
@@ -256,9 +266,13 @@ class _Reader:
 
 
 def load_params(
-    model_dir: str | Path, cfg: ModelConfig, dtype: str | jnp.dtype = "float32"
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    dtype: str | jnp.dtype = "float32",
+    quant: WeightQuant | None = None,
 ) -> Params:
-    """Load HF safetensors weights from ``model_dir`` into the jbatch params pytree.
+    """Load HF safetensors weights from ``model_dir`` into the jbatch params pytree
+    (``quant``: quantize the weights it names as they are read, see ``jbatch.models.quant``).
 
     Tensors are read one at a time, transposed/cast into a preallocated per-param host buffer
     and moved to a jax array, so peak host memory is about one stacked param on top of the
@@ -283,27 +297,34 @@ def load_params(
             if key not in shapes:
                 continue  # lm_head with tied embeddings: ignore lm_head.weight if present
             t = read(reader, top_name(key, prefix), source, shapes[key])
-            params[key] = jnp.asarray(t.astype(target))
+            params.update(quantize_top(key, t, target, quant, shapes))
             del t
         for key, shape in shapes["layers"].items():
             source = sources[key]
-            buf = np.empty(shape, dtype=target)
+            buf = HostStack(key, shape, target, quant)
             for i in range(cfg.num_layers):
                 buf[i] = read(reader, f"{prefix}layers.{i}.{source.name}", source, shape[1:])
-            params["layers"][key] = jnp.asarray(buf)
+            params["layers"].update(buf.arrays())
             del buf
-    return {k: params[k] for k in ("embed", "layers", "final_norm", "lm_head") if k in params}
+    return _ordered(params)
+
+
+def _ordered(params: Params) -> Params:
+    """Top-level params in their canonical order (``*_scale`` after the weight it scales)."""
+    keys = ("embed", "embed_scale", "layers", "final_norm", "lm_head", "lm_head_scale")
+    return {k: params[k] for k in keys if k in params}
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | jnp.dtype = "float32"
+    model_dir: str | Path, dtype: str | jnp.dtype = "float32", quant: WeightQuant | None = None
 ) -> tuple[ModelConfig, Params]:
-    """Read ``model_dir/config.json`` and the weights; returns ``(cfg, params)``."""
+    """Read ``model_dir/config.json`` and the weights (quantized by ``quant``); returns
+    ``(cfg, params)``."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir}: model directory not found")
     cfg = ModelConfig.from_file(model_dir / "config.json")
-    return cfg, load_params(model_dir, cfg, dtype)
+    return cfg, load_params(model_dir, cfg, dtype, quant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,7 +406,8 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 def restore_params(
     path: str | Path, cfg: ModelConfig, dtype: str | jnp.dtype = "float32"
 ) -> Params:
-    """Restore an orbax checkpoint written by :func:`save_params`, validated against ``cfg``."""
+    """Restore an orbax checkpoint written by :func:`save_params`, validated against ``cfg``
+    (quantized params come back quantized; the other params in ``dtype``)."""
     path = Path(path).absolute()
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: checkpoint directory not found")
@@ -402,6 +424,10 @@ def restore_params(
         if not isinstance(tree, dict):
             raise CheckpointError(f"{path}: not an orbax params checkpoint (no tree metadata)")
         saved = _flatten(dict(tree))
+        if any(weight_of(name) for name in saved):  # saved int8-quantized: keep it so
+            head_scale = scale_key(head_key(expected))
+            wq = WeightQuant(lm_head=head_scale in saved)
+            expected = quant_param_shapes(expected, wq)
         want = _flatten(expected)
         if set(saved) != set(want):
             missing, extra = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
@@ -420,4 +446,4 @@ def restore_params(
         restored = ckptr.restore(path, abstract)
     finally:
         ckptr.close()
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype=target), restored)
+    return cast_floats(restored, target)

@@ -15,6 +15,7 @@ from jbatch.engine.config import EngineConfig
 from jbatch.engine.interface import StepFailed
 from jbatch.engine.llm_engine import LLMEngine
 from jbatch.models.config import ModelConfig
+from jbatch.models.quant import check_checkpoint
 from jbatch.outputs import OutputKind, RequestOutput
 from jbatch.sampling_params import SamplingParams
 from jbatch.tokenizer import Tokenizer
@@ -41,6 +42,7 @@ class LLM:
         if not Path(model).is_dir():
             raise FileNotFoundError(f"{model}: model directory not found")
         model_cfg = ModelConfig.from_file(Path(model) / "config.json")
+        check_checkpoint(Path(model) / "config.json", self.config.weight_quant)
         if self.config.max_seq_len > model_cfg.max_position_embeddings:
             raise ValueError(
                 f"max_seq_len={self.config.max_seq_len} exceeds the model's "
@@ -59,7 +61,7 @@ class LLM:
                 eos_token_ids=sorted(eos), warmup=warmup,
             )  # fmt: skip
             return
-        _, params = load_model(model, dtype=self.config.dtype)
+        _, params = load_model(model, dtype=self.config.dtype, quant=self.config.weight_quant)
         self.engine = LLMEngine(model_cfg, params, self.config, tokenizer, sorted(eos), warmup)
 
     @property

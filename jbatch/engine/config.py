@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jbatch.models.quant import WeightQuant
 from pallas_kernels import IMPLEMENTATIONS
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -30,6 +31,10 @@ class EngineConfig:
         to host RAM and back), or "auto" (swap when recomputing would take more than one full
         step's token budget).
     debug_checks: verify the scheduler's page and slot invariants after every step (slow).
+    quantization: weight-only quantization of every linear layer, done at load time: None (the
+        checkpoint's weights in ``dtype``) or "int8" (per-output-channel symmetric scales).
+    quantize_lm_head: with ``quantization``, also quantize the LM head (the embedding too when
+        the two are tied).
     tp: tensor parallelism — devices one engine replica's model and KV pool are split over.
     dp: data parallelism — engine replicas (each on its own ``tp`` devices) behind one router.
     """
@@ -47,6 +52,8 @@ class EngineConfig:
     aging_steps: int = 64
     preemption_mode: str = "recompute"
     debug_checks: bool = False
+    quantization: str | None = None
+    quantize_lm_head: bool = False
     tp: int = 1
     dp: int = 1
 
@@ -72,6 +79,7 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self.weight_quant  # noqa: B018 (validates quantization and quantize_lm_head)
         if self.attn_impl not in IMPLEMENTATIONS:
             raise ValueError(f"attn_impl must be one of {IMPLEMENTATIONS}, got {self.attn_impl!r}")
         if self.max_num_batched_tokens < self.block_q:
@@ -84,6 +92,15 @@ class EngineConfig:
                 f"the KV pool (num_pages={self.num_pages} x page_size={self.page_size} tokens) "
                 f"cannot hold one sequence of max_seq_len={self.max_seq_len}"
             )
+
+    @property
+    def weight_quant(self) -> WeightQuant | None:
+        """How weights are quantized at load time (None: not at all)."""
+        if self.quantization is None:
+            if self.quantize_lm_head:
+                raise ValueError("quantize_lm_head=True needs quantization (e.g. 'int8')")
+            return None
+        return WeightQuant(self.quantization, self.quantize_lm_head)
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -38,6 +38,7 @@ from jbatch.engine.request import Request, RequestStatus
 from jbatch.engine.scheduler import Scheduler, SchedulerOutput
 from jbatch.models.config import ModelConfig
 from jbatch.models.llama import unstack_layers
+from jbatch.models.quant import ensure_quantized
 from jbatch.outputs import CompletionOutput, OutputKind, RequestOutput
 from jbatch.sampling_params import SamplingParams
 from jbatch.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -69,6 +70,7 @@ class LLMEngine:
         self.eos_ids = frozenset(eos_token_ids)
         self.core = EngineCore(model_cfg, cfg) if core is None else core
         if params is not None and getattr(self.core, "mesh", None) is None:
+            params = ensure_quantized(params, cfg.weight_quant)  # if loaded as floats
             params = unstack_layers(params)  # one device: per-layer arrays, read in place
         self.params = params
         self.state = self.core.init_state()

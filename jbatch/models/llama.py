@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jbatch.models import quant
 from jbatch.models.config import ModelConfig
 from jbatch.models.kv_cache import KVCache, write_layer, write_locations
 from jbatch.models.rope import Rope, apply_rope, rope_tables
@@ -69,7 +70,7 @@ def soft_cap(x, cap: float | None):
 
 
 def _linear(x, layer: Params, w: str, b: str):
-    y = x @ layer[w]
+    y = quant.matmul(x, layer[w], layer.get(quant.scale_key(w)))
     return y + layer[b] if b in layer else y
 
 
@@ -193,7 +194,7 @@ def forward(
         )
     h_, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layers = params["layers"]
-    x = params["embed"][jnp.clip(tokens, 0, cfg.vocab_size - 1)]  # [T, E]
+    x = quant.embed_rows(params, jnp.clip(tokens, 0, cfg.vocab_size - 1))  # [T, E]
     if cfg.embed_multiplier != 1.0:
         x = x * jnp.asarray(cfg.embed_multiplier, x.dtype)  # rounded to x's dtype, as HF does
     tables: dict[Rope, tuple] = {r: rope_tables(r, d, positions) for r in set(cfg.ropes)}
@@ -240,6 +241,7 @@ def compute_logits(
 ) -> Float[Array, "n vocab"]:
     """LM head (tied to the embedding when the checkpoint has no ``lm_head``), in float32, with
     the model's final soft cap (Gemma 2)."""
-    head = params.get("lm_head", params["embed"])  # [V, E]: rows stream contiguously
-    logits = (hidden @ head.T).astype(jnp.float32)
+    key = quant.head_key(params)
+    head = params[key]  # [V, E]: rows stream contiguously
+    logits = quant.matmul_t(hidden, head, params.get(quant.scale_key(key))).astype(jnp.float32)
     return soft_cap(logits, cfg.final_soft_cap)

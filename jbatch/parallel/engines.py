@@ -10,6 +10,7 @@ from jbatch.engine.config import EngineConfig
 from jbatch.engine.engine_core import EngineCore
 from jbatch.engine.llm_engine import LLMEngine
 from jbatch.models.config import ModelConfig
+from jbatch.models.quant import ensure_quantized
 from jbatch.parallel.loading import load_params_sharded
 from jbatch.parallel.mesh import kv_replication, make_mesh, replica_meshes, sharded_model_config
 from jbatch.parallel.router import ReplicaRouter
@@ -42,9 +43,9 @@ def build_engines(
     engines = []
     for sub in replica_meshes(mesh):
         if model_dir is not None:
-            sharded = load_params_sharded(model_dir, model_cfg, sub, cfg.dtype)
+            sharded = load_params_sharded(model_dir, model_cfg, sub, cfg.dtype, cfg.weight_quant)
         else:
-            sharded = shard_params(params, model_cfg, sub)
+            sharded = shard_params(ensure_quantized(params, cfg.weight_quant), model_cfg, sub)
         core = EngineCore(scfg, cfg, sub)
         engines.append(LLMEngine(scfg, sharded, cfg, tokenizer, eos_token_ids, warmup, core=core))
     return engines

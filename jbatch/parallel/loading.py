@@ -26,6 +26,7 @@ from jbatch.checkpoint import (
     CheckpointError,
     Params,
     Source,
+    _ordered,
     _resolve_dtype,
     _weight_map,
     expected_param_shapes,
@@ -34,10 +35,12 @@ from jbatch.checkpoint import (
     weight_prefix,
 )
 from jbatch.models.config import ModelConfig
+from jbatch.models.quant import WeightQuant, contraction_axis, quantize, scale_key
+from jbatch.models.quant import param_shapes as quant_param_shapes
 from jbatch.parallel.mesh import kv_replication, sharded_model_config
 from jbatch.parallel.sharding import TP, param_shardings
 
-_KV_KEYS = ("wk", "wv", "bk", "bv")
+_KV_KEYS = ("wk", "wv", "bk", "bv")  # their scales follow the weights
 
 
 class _Files:
@@ -85,11 +88,17 @@ def _kv_rows(idx: np.ndarray, head_dim: int, replication: int) -> np.ndarray:
 
 
 def load_params_sharded(
-    model_dir: str | Path, model_cfg: ModelConfig, mesh: Mesh, dtype: str = "float32"
+    model_dir: str | Path,
+    model_cfg: ModelConfig,
+    mesh: Mesh,
+    dtype: str = "float32",
+    quant: WeightQuant | None = None,
 ) -> Params:
     """Load HF safetensors straight into shards on ``mesh`` (rules of
     :func:`jbatch.parallel.sharding.param_specs`). ``model_cfg`` is the checkpoint's config; the
-    result is a params tree of ``sharded_model_config(model_cfg, tp)``."""
+    result is a params tree of ``sharded_model_config(model_cfg, tp)``. ``quant``: the weights it
+    names are quantized shard by shard as they are read (a shard split over a weight's
+    contraction axis reads that axis whole to find its per-channel scales)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir}: model directory not found")
@@ -98,6 +107,8 @@ def load_params_sharded(
     r, d = kv_replication(model_cfg, tp), model_cfg.head_dim
     scfg = sharded_model_config(model_cfg, tp)
     shapes = expected_param_shapes(scfg)
+    if quant is not None:
+        shapes = quant_param_shapes(shapes, quant)
     shardings = param_shardings(mesh, shapes)
     files = _Files(model_dir)
 
@@ -121,28 +132,60 @@ def load_params_sharded(
         del part
         return out
 
-    def top(key: str):
-        shape = shapes[key]
-        cb = lambda index: read(top_name(key, prefix), _TOP_TENSORS[key], shape, False, index)
-        return jax.make_array_from_callback(shape, shardings[key], cb)
+    def read_as(kind: str, key: str, *args) -> np.ndarray:
+        """``read`` as param ``kind``: "float", "int8" (values) or "scale" (their scales, whose
+        ``index`` lacks the contraction axis)."""
+        *head, index = args
+        if kind == "float":
+            return read(*head, index)
+        c = contraction_axis(key) % (len(index) + (kind == "scale"))
+        whole = index[:c] + (slice(None),) + index[c + (kind == "int8") :]
+        q, scale = quantize(read(*head, whole), c)
+        return scale if kind == "scale" else q[(slice(None),) * c + (index[c],)]
 
-    def layer(key: str):
-        source, shape, kv = sources[key], shapes["layers"][key], key in _KV_KEYS
-        per_layer = list(shape[1:])
+    def kinds(key: str, quantized: bool) -> dict[str, str]:
+        return {key: "int8", scale_key(key): "scale"} if quantized else {key: "float"}
+
+    def top(key: str) -> dict:
+        source, shape = _TOP_TENSORS[key], shapes[key]
+        quantized = quant is not None and key in quant.top_keys(shapes)
+        out = {}
+        for name, kind in kinds(key, quantized).items():
+            cb = lambda index, kind=kind: read_as(
+                kind, key, top_name(key, prefix), source, shape, False, index
+            )
+            out[name] = jax.make_array_from_callback(shapes[name], shardings[name], cb)
+        return out
+
+    def layer(key: str) -> dict:
+        source, kv = sources[key], key in _KV_KEYS
+        per_layer = list(shapes["layers"][key][1:])
         if kv:
             per_layer[-1] //= r  # the checkpoint holds the original KV heads
+        quantized = quant is not None and quant.layer_key(key)
+        out = {}
+        for name, kind in kinds(key, quantized).items():
+            shape = shapes["layers"][name]
 
-        def cb(index):
-            layers = range(shape[0])[index[0]]
-            name = lambda i: f"{prefix}layers.{i}.{source.name}"
-            parts = [read(name(i), source, tuple(per_layer), kv, index[1:]) for i in layers]
-            return np.stack(parts)
+            def cb(index, kind=kind):
+                layers = range(scfg.num_layers)[index[0]]
+                return np.stack([
+                    read_as(kind, key, f"{prefix}layers.{i}.{source.name}", source,
+                            tuple(per_layer), kv, index[1:])
+                    for i in layers
+                ])  # fmt: skip
 
-        return jax.make_array_from_callback(shape, shardings["layers"][key], cb)
+            out[name] = jax.make_array_from_callback(shape, shardings["layers"][name], cb)
+        return out
 
-    params: Params = {k: top(k) for k in ("embed", "final_norm", "lm_head") if k in shapes}
-    params["layers"] = {k: layer(k) for k in shapes["layers"]}
-    return {k: params[k] for k in ("embed", "layers", "final_norm", "lm_head") if k in params}
+    params: Params = {}
+    for key in ("embed", "final_norm", "lm_head"):
+        if key in shapes:
+            params.update(top(key))
+    params["layers"] = {}
+    for key in expected_param_shapes(scfg)["layers"]:
+        params["layers"].update(layer(key))
+    return _ordered(params)
 
 
 def params_bytes(params: Params) -> int:

@@ -11,6 +11,8 @@ over the mesh axis ``tp`` (Megatron-style tensor parallelism, laid out for XLA S
 * KV pool ``[P, S, KVH, D]``: split over KV heads (axis 2), after the KV-head replication of
   :func:`jbatch.parallel.mesh.sharded_model_config` when ``tp`` exceeds the KV heads. Page ids
   and page tables are the same on every shard.
+* Int8 weight scales (``wq_scale``...): split like their weight's output axis; replicated for
+  row-parallel weights (``wo``, ``w_down``), whose split axis is the one the scales reduce.
 * Everything else (norms, slot arrays, page tables, sampling state): replicated.
 """
 
@@ -25,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
+from jbatch.models import quant
 from jbatch.models.config import ModelConfig
 
 TP = "tp"
@@ -55,13 +58,24 @@ def param_specs(shapes: dict, tp: int) -> dict:
             axis = None
         return _spec(len(shape), axis)
 
+    top_axes = {"embed": 0, "lm_head": 0}
     out: dict[str, Any] = {}
     for key, value in shapes.items():
         if key == "layers":
-            out[key] = {k: spec(v, _LAYER_AXES.get(k)) for k, v in value.items()}
+            out[key] = {k: spec(v, _axis(k, value, _LAYER_AXES)) for k, v in value.items()}
         else:
-            out[key] = spec(value, 0 if key in ("embed", "lm_head") else None)
+            out[key] = spec(value, _axis(key, shapes, top_axes))
     return out
+
+
+def _axis(key: str, tree: dict, axes: dict[str, int]) -> int | None:
+    """The axis of param ``key`` split over tp; a quantization scale follows its weight's split
+    unless that is the contraction axis (row-parallel weights: replicated scales)."""
+    weight = quant.weight_of(key)
+    if weight is None:
+        return axes.get(key)
+    ndim = len(tuple(getattr(tree[weight], "shape", tree[weight])))
+    return quant.scale_axis(axes.get(weight), ndim, weight)
 
 
 def param_shardings(mesh: Mesh, shapes: dict) -> dict:
@@ -91,7 +105,7 @@ def shard_params(params: dict, model_cfg: ModelConfig, mesh: Mesh) -> dict:
 
     r = kv_replication(model_cfg, mesh.shape[TP])
     layers = dict(params["layers"])
-    for key in ("wk", "wv", "bk", "bv"):
+    for key in ("wk", "wv", "bk", "bv", "wk_scale", "wv_scale"):
         if key in layers:
             layers[key] = expand_kv_heads(layers[key], model_cfg.num_kv_heads, r)
     params = {**params, "layers": layers}
