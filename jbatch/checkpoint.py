@@ -22,6 +22,7 @@ from jaxtyping import Float
 from safetensors import safe_open
 
 from jbatch.models.config import ModelConfig
+from jbatch.moe_checkpoint import iter_groups, moe_param_shapes
 
 Params = dict[str, Any]  # nested dict of Float[Array, "..."]
 HostArray = Float[np.ndarray, "..."]
@@ -50,6 +51,8 @@ _LAYER_TENSORS = {
     "bk": ("self_attn.k_proj.bias", False),
     "bv": ("self_attn.v_proj.bias", False),
     "bo": ("self_attn.o_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
     "mlp_norm": ("post_attention_layernorm.weight", False),
     "w_gate": ("mlp.gate_proj.weight", True),
     "w_up": ("mlp.up_proj.weight", True),
@@ -64,6 +67,9 @@ _TOP_TENSORS = {
     "final_norm": ("model.norm.weight", False),
     "lm_head": ("lm_head.weight", False),  # kept [V, E], like the embedding (faster LM head)
 }
+
+
+_MLP_KEYS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
 
 
 def expected_param_shapes(cfg: ModelConfig) -> dict:
@@ -87,7 +93,12 @@ def expected_param_shapes(cfg: ModelConfig) -> dict:
         layers["bo"] = (L, E)
     if cfg.mlp_bias:
         layers.update(b_gate=(L, F), b_up=(L, F), b_down=(L, E))
-    shapes: dict[str, Any] = {"embed": (V, E), "layers": layers, "final_norm": (E,)}
+    if cfg.qk_norm:
+        layers.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    groups = moe_param_shapes(cfg)  # MoE: the MLP weights live in their own groups
+    if groups:
+        layers = {k: v for k, v in layers.items() if k not in _MLP_KEYS}
+    shapes: dict[str, Any] = {"embed": (V, E), "layers": layers, "final_norm": (E,), **groups}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (V, E)
     return shapes
@@ -218,7 +229,10 @@ def load_params(
                 del t
             params["layers"][key] = jnp.asarray(buf)
             del buf
-    return {k: params[k] for k in ("embed", "layers", "final_norm", "lm_head") if k in params}
+        for group, key, buf in iter_groups(reader.get, reader.weight_map, cfg, target):
+            params.setdefault(group, {})[key] = jnp.asarray(buf)
+            del buf
+    return {k: params[k] for k in shapes if k in params}
 
 
 def load_model(

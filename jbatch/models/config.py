@@ -11,11 +11,15 @@ import math
 from pathlib import Path
 from typing import Any
 
+from jbatch.models.moe_config import check_moe, moe_fields
+
 # HF `architectures` entry -> the family name used in this package.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 SUPPORTED_MODEL_TYPES = frozenset(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -78,6 +82,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    # Mixture of experts (jbatch.models.moe_config); num_experts == 0: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    moe_layers: tuple[bool, ...] = ()  # per layer: is its MLP the routed experts
 
     def __post_init__(self):
         if self.hidden_act not in ("silu", "swish"):
@@ -101,6 +112,7 @@ class ModelConfig:
                 f"sliding_windows has {len(self.sliding_windows)} entries, "
                 f"expected num_layers={self.num_layers}"
             )
+        check_moe(self)
 
     @property
     def q_per_kv(self) -> int:
@@ -134,13 +146,16 @@ class ModelConfig:
             rope_scaling=_rope_scaling(hf, source),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)) and model_type == "llama",
+            attention_bias=bool(hf.get("attention_bias", False))
+            and model_type in ("llama", "qwen3_moe"),
             qkv_bias=model_type == "qwen2",
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_windows=_sliding_windows(hf, model_type, num_layers),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(hf.get("eos_token_id")),
             hidden_act=str(hf.get("hidden_act", "silu")),
+            qk_norm=model_type == "qwen3_moe",
+            **moe_fields(hf, model_type, num_layers, source),
         )
 
     @classmethod
@@ -205,7 +220,9 @@ def _rope_scaling(hf: dict[str, Any], source: str) -> RopeScaling:
 
 def _sliding_windows(hf: dict[str, Any], model_type: str, num_layers: int):
     window = hf.get("sliding_window")
-    if model_type == "mistral":
+    if model_type == "qwen3_moe" and not hf.get("use_sliding_window"):
+        return (None,) * num_layers
+    if model_type in ("mistral", "mixtral", "qwen3_moe"):
         return (window,) * num_layers
     if model_type == "qwen2" and hf.get("use_sliding_window") and window:
         # Qwen2 applies the window only to layers at or above max_window_layers.

@@ -24,8 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jbatch.models import moe
 from jbatch.models.config import ModelConfig, rope_inv_freq
 from jbatch.models.kv_cache import KVCache, write_layer, write_locations
+from jbatch.models.moe_config import MLP_GROUPS, group_of_layer
 from pallas_kernels import PALLAS_IMPLS, paged_attention, paged_attention_rows, resolve_impl
 
 Params = dict
@@ -73,11 +75,21 @@ def unstack_layers(params: Params) -> Params:
     The checkpoint layout stacks each weight over layers (``[L, ...]``), but inside a jitted
     step XLA CPU copies every ``w[i]`` slice before its matmul — a full pass over the weights per
     step. Separate per-layer arrays are read in place (same reason the KV pool is per layer)."""
-    layers = params["layers"]
-    if isinstance(layers, (tuple, list)):
-        return params
-    num_layers = len(next(iter(layers.values())))
-    return {**params, "layers": tuple(layer_params(layers, i) for i in range(num_layers))}
+    out = dict(params)
+    for group in ("layers", *MLP_GROUPS):  # MoE models: also their MLP groups
+        stacked = params.get(group)
+        if stacked is None or isinstance(stacked, (tuple, list)):
+            continue
+        n = len(next(iter(stacked.values())))
+        out[group] = tuple(layer_params(stacked, i) for i in range(n))
+    return out
+
+
+def _layer(params: Params, cfg: ModelConfig, i: int) -> Params:
+    """Layer ``i``'s weights; a MoE model's MLP weights come from their own group."""
+    lp = layer_params(params["layers"], i)
+    group = group_of_layer(cfg, i)
+    return lp if group is None else {**lp, **layer_params(params[group[0]], group[1])}
 
 
 def _attention(
@@ -158,11 +170,13 @@ def forward(
     block_q: int = 1,
     attn_impl: str = "auto",
     attention=None,
+    experts=None,
 ) -> tuple[Float[Array, "t e"], KVCache]:
     """Run the decoder over a flat token batch; returns final-norm hidden states and the pool.
 
     ``attention`` replaces the per-layer attention call (same arguments as ``_attention``);
-    tensor parallelism passes a ``shard_map`` of it (``jbatch.parallel.attention``)."""
+    tensor parallelism passes a ``shard_map`` of it (``jbatch.parallel.attention``), and
+    likewise ``experts`` for :func:`jbatch.models.moe.expert_outputs`."""
     attend = _attention if attention is None else attention
     t = tokens.shape[0]
     if num_decode > t or (t - num_decode) % block_q:
@@ -171,18 +185,22 @@ def forward(
             f"blocks of block_q={block_q}"
         )
     h_, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    layers = params["layers"]
     x = params["embed"][jnp.clip(tokens, 0, cfg.vocab_size - 1)]  # [T, E]
     cos, sin = rope_tables(cfg, positions)
     pages, offsets = write_locations(
         page_tables, slots, positions, cache.page_size, cache.num_pages
     )
     for i in range(cfg.num_layers):
-        lp = layer_params(layers, i)
+        lp = _layer(params, cfg, i)
         xn = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         q = _linear(xn, lp, "wq", "bq").reshape(t, h_, d)
         k = _linear(xn, lp, "wk", "bk").reshape(t, kvh, d)
         v = _linear(xn, lp, "wv", "bv").reshape(t, kvh, d)
+        if cfg.qk_norm:
+            q, k = (
+                rms_norm(q, lp["q_norm"], cfg.rms_norm_eps),
+                rms_norm(k, lp["k_norm"], cfg.rms_norm_eps),
+            )
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache = write_layer(cache, i, k, v, pages, offsets)
         attn = attend(
@@ -199,9 +217,12 @@ def forward(
         )
         x = x + _linear(attn.reshape(t, h_ * d), lp, "wo", "bo")
         xn = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        gate = _linear(xn, lp, "w_gate", "b_gate")
-        up = _linear(xn, lp, "w_up", "b_up")
-        x = x + _linear(jax.nn.silu(gate) * up, lp, "w_down", "b_down")
+        if cfg.moe_layers[i]:  # routed experts (jbatch.models.moe)
+            x = x + moe.sparse_mlp(lp, cfg, xn, positions >= 0, experts)
+        else:
+            gate = _linear(xn, lp, "w_gate", "b_gate")
+            up = _linear(xn, lp, "w_up", "b_up")
+            x = x + _linear(jax.nn.silu(gate) * up, lp, "w_down", "b_down")
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
 
 

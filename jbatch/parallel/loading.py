@@ -31,6 +31,8 @@ from jbatch.checkpoint import (
     expected_param_shapes,
 )
 from jbatch.models.config import ModelConfig
+from jbatch.models.moe_config import mlp_groups
+from jbatch.moe_checkpoint import read_param
 from jbatch.parallel.mesh import kv_replication, sharded_model_config
 from jbatch.parallel.sharding import TP, param_shardings
 
@@ -137,9 +139,23 @@ def load_params_sharded(
 
         return jax.make_array_from_callback(shape, shardings["layers"][key], cb)
 
+    def group_param(group: str, key: str):  # a MoE model's MLP groups (jbatch.moe_checkpoint)
+        shape, layer_ids = shapes[group][key], mlp_groups(model_cfg)[group]
+
+        def cb(index):
+            parts = [
+                read_param(files.tensor, files.weight_map, model_cfg, group, key, i, index[1:])
+                for i in layer_ids[index[0]]
+            ]
+            return np.stack(parts).astype(target, copy=False)
+
+        return jax.make_array_from_callback(shape, shardings[group][key], cb)
+
     params: Params = {k: top(k) for k in ("embed", "final_norm", "lm_head") if k in shapes}
     params["layers"] = {k: layer(k) for k in shapes["layers"]}
-    return {k: params[k] for k in ("embed", "layers", "final_norm", "lm_head") if k in params}
+    for group in mlp_groups(model_cfg):
+        params[group] = {k: group_param(group, k) for k in shapes[group]}
+    return {k: params[k] for k in shapes}
 
 
 def params_bytes(params: Params) -> int:
