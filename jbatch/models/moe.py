@@ -15,7 +15,7 @@ Over the flat token buffer ``x [T, E]`` of the forward pass (see ``jbatch.models
      against its own expert's weights: cost O(T * k + experts * block) rows, or
    - ``"ragged_dot"``: three ``jax.lax.ragged_dot`` calls over the sorted rows. XLA's generic
      lowering (CPU; GPU without a grouped-GEMM library) expands it to a masked dense matmul
-     over all experts, O(T * k * experts): 10-30x slower than ``"blocks"`` on CPU (see
+     over all experts, O(T * k * experts): 3-18x slower than ``"blocks"`` on CPU (see
      docs/architecture.md, "Mixture of experts"); it is kept for backends with a native
      grouped matmul.
 4. **Combine**: each token's k outputs, weighted, summed (float32), cast to the model dtype.
