@@ -22,6 +22,7 @@ from jaxtyping import Float
 from safetensors import safe_open
 
 from jbatch.models.config import ModelConfig
+from jbatch.models.moe_config import DENSE_MLP, MOE
 from jbatch.models.quant import (
     HostStack,
     WeightQuant,
@@ -32,6 +33,7 @@ from jbatch.models.quant import (
     weight_of,
 )
 from jbatch.models.quant import param_shapes as quant_param_shapes
+from jbatch.moe_checkpoint import iter_groups, moe_param_shapes
 
 Params = dict[str, Any]  # nested dict of Float[Array, "..."]
 HostArray = Float[np.ndarray, "..."]
@@ -145,6 +147,9 @@ def top_name(key: str, prefix: str) -> str:
     return _TOP_TENSORS[key].name if key == "lm_head" else prefix + _TOP_TENSORS[key].name
 
 
+_MLP_KEYS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+
+
 def expected_param_shapes(cfg: ModelConfig) -> dict:
     """Shapes of every param (same nesting as the params pytree), as tuples of ints."""
     L, E, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -170,7 +175,10 @@ def expected_param_shapes(cfg: ModelConfig) -> dict:
         layers.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
     if cfg.sandwich_norms:
         layers.update(post_attn_norm=(L, E), post_mlp_norm=(L, E))
-    shapes: dict[str, Any] = {"embed": (V, E), "layers": layers, "final_norm": (E,)}
+    groups = moe_param_shapes(cfg)  # MoE: the MLP weights live in their own groups
+    if groups:
+        layers = {k: v for k, v in layers.items() if k not in _MLP_KEYS}
+    shapes: dict[str, Any] = {"embed": (V, E), "layers": layers, "final_norm": (E,), **groups}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (V, E)
     return shapes
@@ -306,13 +314,16 @@ def load_params(
                 buf[i] = read(reader, f"{prefix}layers.{i}.{source.name}", source, shape[1:])
             params["layers"].update(buf.arrays())
             del buf
+        for group, key, buf in iter_groups(reader.get, reader.weight_map, cfg, target):
+            params.setdefault(group, {})[key] = jnp.asarray(buf)
+            del buf
     return _ordered(params)
 
 
 def _ordered(params: Params) -> Params:
     """Top-level params in their canonical order (``*_scale`` after the weight it scales)."""
-    keys = ("embed", "embed_scale", "layers", "final_norm", "lm_head", "lm_head_scale")
-    return {k: params[k] for k in keys if k in params}
+    keys = ("embed", "embed_scale", "layers", MOE, DENSE_MLP, "final_norm", "lm_head")
+    return {k: params[k] for k in (*keys, "lm_head_scale") if k in params}
 
 
 def load_model(

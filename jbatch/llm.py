@@ -42,7 +42,9 @@ class LLM:
         if not Path(model).is_dir():
             raise FileNotFoundError(f"{model}: model directory not found")
         model_cfg = ModelConfig.from_file(Path(model) / "config.json")
-        check_checkpoint(Path(model) / "config.json", self.config.weight_quant)
+        check_checkpoint(
+            Path(model) / "config.json", self.config.weight_quant, model_cfg.num_experts
+        )
         if self.config.max_seq_len > model_cfg.max_position_embeddings:
             raise ValueError(
                 f"max_seq_len={self.config.max_seq_len} exceeds the model's "

@@ -100,6 +100,30 @@ VARIANTS = {
     ),
 }  # fmt: skip
 
+# Mixtures of experts (tests/test_moe.py): Mixtral, 8 experts top-2 on every layer and a sliding
+# window; Qwen3-MoE, 6 experts top-2 without renormalisation, q/k norms, 3 layers of which layer
+# 1 is dense (mlp_only_layers).
+MOE_VARIANTS = {
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=24),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            num_hidden_layers=3,
+            head_dim=16,
+        ),
+    ),
+}
+
 # Variants for tensor-parallel tests (8 query heads, so tp in {1, 2, 4, 8} divides them): KV
 # heads replicated over shards (llama: 2 KV heads), split then replicated at tp=8 (qwen2: 4, with
 # q/k/v biases and tied embeddings), always split (mistral: 8, sliding window).
@@ -138,7 +162,7 @@ def save_tokenizer(directory: Path, vocab_size: int) -> None:
 
 def make_checkpoint(name: str, directory: Path, seed: int = 0):
     """Save a random-weight model of variant ``name`` into ``directory``; return the torch model."""
-    cfg_cls, model_cls, overrides = {**VARIANTS, **PARALLEL_VARIANTS}[name]
+    cfg_cls, model_cls, overrides = {**VARIANTS, **PARALLEL_VARIANTS, **MOE_VARIANTS}[name]
     torch.manual_seed(seed)
     cfg = getattr(transformers, cfg_cls)(**{**_BASE, **overrides})
     cfg._attn_implementation = "eager"

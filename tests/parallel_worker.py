@@ -134,7 +134,8 @@ def matrix(ckpt: str, configs: str) -> dict:
         with count_compiles() as compiled:
             outs = run_workload(engine)
             jax.block_until_ready(engines[0].state)
-        collectives = step_collectives(engines[0]) if (tp, dp) == (4, 1) else None
+        checked = (tp, dp) == (4, 1) or ((tp, dp) == (2, 1) and model_cfg.num_experts > 0)
+        collectives = step_collectives(engines[0]) if checked else None
         results[f"tp{tp}_dp{dp}" + (f"_{impl}" if impl else "")] = {
             "collectives": collectives,
             "outputs": outs,

@@ -33,10 +33,12 @@ FULL = "1x1,2x1,4x1,8x1,4x2"  # tp x dp
 # split at 2, replicated at 8) and mistral (8 KV heads: always split) the tp values that differ
 # for them — dp is model-agnostic (replicas + router), and CPU time in CI is short.
 # mistral (head dim 16) also runs the Pallas kernel (interpret mode) per shard under shard_map.
+# qwen3_moe (mixture of experts, tests/test_moe.py): experts split inside, at tp=2.
 MATRIX = {
     "llama_tp": FULL,
     "qwen2_tp": "1x1,2x1,8x1",
     "mistral_tp": "1x1,2x1,8x1,4x1:pallas_interpret",
+    "qwen3_moe": "1x1,2x1",
 }
 TIMEOUT = 900
 
@@ -108,6 +110,8 @@ def test_greedy_outputs_identical_on_every_mesh(runs, variant):
 EXPECTED_AXES = {
     "wq": 2, "wk": 2, "wv": 2, "bq": 1, "bk": 1, "bv": 1, "wo": 1,
     "w_gate": 2, "w_up": 2, "w_down": 1, "attn_norm": None, "mlp_norm": None,
+    "q_norm": None, "k_norm": None,
+    "router": None, "expert_gate": 3, "expert_up": 3, "expert_down": 2,  # [L, N, E|F, F|E]
 }  # fmt: skip
 
 
@@ -154,6 +158,18 @@ def test_attention_runs_per_shard(runs):
     layers = 2
     assert found == {
         "all-reduce <- dot_general": 2 * layers,
+        "all-reduce <- gather": 1,
+        "all-gather <- sharding_constraint": 1,
+    }
+
+
+def test_moe_experts_all_reduce_once_per_layer(runs):
+    """qwen3_moe at tp=2 (3 layers: 2 routed, 1 dense): one all-reduce after each ``wo`` (3) and
+    the dense ``w_down`` (1), one ``psum`` per routed layer (2), none inside the experts' loop."""
+    found = runs["matrix/qwen3_moe"]["tp2_dp1"]["collectives"]
+    assert found == {
+        "all-reduce <- dot_general": 4,
+        "all-reduce <- psum": 2,
         "all-reduce <- gather": 1,
         "all-gather <- sharding_constraint": 1,
     }

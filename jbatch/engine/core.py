@@ -207,10 +207,12 @@ def step(
     attn_impl: str = "auto",
     logits_shardings: tuple[jax.sharding.Sharding, ...] = (),
     attention=None,
+    experts=None,
 ) -> tuple[EngineState, StepOutput]:
     """One model pass over decode rows + prompt-chunk rows, then sampling (see module doc).
 
-    ``attention`` replaces the model's attention call (tensor parallelism: per shard);
+    ``attention`` and ``experts`` replace the model's attention and MoE expert calls (tensor
+    parallelism: per shard);
     ``logits_shardings`` (tensor parallelism): constrain the logits to each in turn — vocab-split
     as the LM head makes them, then replicated — so only ``[slots, vocab]`` logits are gathered
     (never the LM head) and the sampler runs whole rows on every shard."""
@@ -242,6 +244,7 @@ def step(
         block_q=block_q,
         attn_impl=attn_impl,
         attention=attention,
+        experts=experts,
     )
 
     # Penalty statistics: prompt rows mark the prompt mask, re-fed outputs (resume) count.

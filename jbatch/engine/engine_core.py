@@ -93,6 +93,7 @@ class EngineCore:
     def _jit_sharded(self, step_kwargs: dict) -> None:
         from jbatch.checkpoint import expected_param_shapes
         from jbatch.parallel.attention import sharded_attention
+        from jbatch.parallel.experts import sharded_experts
         from jbatch.parallel.sharding import param_shardings, replicated, state_shardings
 
         mesh, rep = self.mesh, replicated(self.mesh)
@@ -107,7 +108,10 @@ class EngineCore:
         vocab_split = NamedSharding(mesh, P(None, *head.spec[:1]))  # the logits' [S, V] split
         self._init = jax.jit(init, out_shardings=st)
         step_kwargs = dict(
-            step_kwargs, logits_shardings=(vocab_split, rep), attention=sharded_attention(mesh)
+            step_kwargs,
+            logits_shardings=(vocab_split, rep),
+            attention=sharded_attention(mesh),
+            experts=sharded_experts(mesh),
         )
         # Params keep the shardings they were placed with (``param_specs``; whatever their
         # layout), the state and every host input are pinned.

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from jbatch.models.moe_config import check_moe, moe_fields
 from jbatch.models.rope import Rope, RopeError, parse_rope
 
 # HF `architectures` entry -> the family name used in this package.
@@ -23,6 +24,8 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its language model, from `text_config`
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 SUPPORTED_MODEL_TYPES = frozenset(SUPPORTED_ARCHITECTURES.values()) | {"gemma3_text"}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -77,6 +80,12 @@ class ModelConfig:
     attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
     attn_soft_cap: float | None = None  # cap * tanh(score / cap) (Gemma 2)
     final_soft_cap: float | None = None  # the same on the logits (Gemma 2)
+    # Mixture of experts (jbatch.models.moe_config); num_experts == 0: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    moe_layers: tuple[bool, ...] = ()  # per layer: is its MLP the routed experts
 
     def __post_init__(self):
         if self.hidden_act not in ACTIVATIONS:
@@ -112,6 +121,7 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"{name} must be > 0 (or absent), got {value}")
+        check_moe(self)
 
     @property
     def q_per_kv(self) -> int:
@@ -155,13 +165,14 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(hf.get("eos_token_id")),
             hidden_act=str(hf.get("hidden_activation") or hf.get("hidden_act", "silu")),
-            qk_norm=model_type in ("qwen3", "gemma3"),
+            qk_norm=model_type in ("qwen3", "gemma3", "qwen3_moe"),
             norm_offset=1.0 if gemma else 0.0,
             sandwich_norms=gemma,
             embed_multiplier=math.sqrt(int(hf["hidden_size"])) if gemma else 1.0,
             attn_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else None,
             attn_soft_cap=_opt_float(hf.get("attn_logit_softcapping")) if gemma else None,
             final_soft_cap=_opt_float(hf.get("final_logit_softcapping")) if gemma else None,
+            **moe_fields(hf, model_type, num_layers, source),
         )
 
     @classmethod
@@ -220,7 +231,9 @@ def _layer_types(hf: dict[str, Any], model_type: str, num_layers: int) -> list[s
 
 def _sliding_windows(hf: dict[str, Any], model_type: str, num_layers: int):
     window = hf.get("sliding_window")
-    if model_type == "mistral" and not hf.get("layer_types"):
+    if model_type == "qwen3_moe" and not hf.get("use_sliding_window"):
+        return (None,) * num_layers
+    if model_type in ("mistral", "mixtral", "qwen3_moe") and not hf.get("layer_types"):
         return (window,) * num_layers
     types = _layer_types(hf, model_type, num_layers)
     if len(types) != num_layers:

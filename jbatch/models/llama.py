@@ -31,9 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jbatch.models import quant
+from jbatch.models import moe, quant
 from jbatch.models.config import ModelConfig
 from jbatch.models.kv_cache import KVCache, write_layer, write_locations
+from jbatch.models.moe_config import MLP_GROUPS, group_of_layer
 from jbatch.models.rope import Rope, apply_rope, rope_tables
 from pallas_kernels import PALLAS_IMPLS, paged_attention, paged_attention_rows, resolve_impl
 
@@ -87,11 +88,21 @@ def unstack_layers(params: Params) -> Params:
     The checkpoint layout stacks each weight over layers (``[L, ...]``), but inside a jitted
     step XLA CPU copies every ``w[i]`` slice before its matmul — a full pass over the weights per
     step. Separate per-layer arrays are read in place (same reason the KV pool is per layer)."""
-    layers = params["layers"]
-    if isinstance(layers, (tuple, list)):
-        return params
-    num_layers = len(next(iter(layers.values())))
-    return {**params, "layers": tuple(layer_params(layers, i) for i in range(num_layers))}
+    out = dict(params)
+    for group in ("layers", *MLP_GROUPS):  # MoE models: also their MLP groups
+        stacked = params.get(group)
+        if stacked is None or isinstance(stacked, (tuple, list)):
+            continue
+        n = len(next(iter(stacked.values())))
+        out[group] = tuple(layer_params(stacked, i) for i in range(n))
+    return out
+
+
+def _layer(params: Params, cfg: ModelConfig, i: int) -> Params:
+    """Layer ``i``'s weights; a MoE model's MLP weights come from their own group."""
+    lp = layer_params(params["layers"], i)
+    group = group_of_layer(cfg, i)
+    return lp if group is None else {**lp, **layer_params(params[group[0]], group[1])}
 
 
 def _attention(
@@ -180,11 +191,13 @@ def forward(
     block_q: int = 1,
     attn_impl: str = "auto",
     attention=None,
+    experts=None,
 ) -> tuple[Float[Array, "t e"], KVCache]:
     """Run the decoder over a flat token batch; returns final-norm hidden states and the pool.
 
     ``attention`` replaces the per-layer attention call (same arguments as ``_attention``);
-    tensor parallelism passes a ``shard_map`` of it (``jbatch.parallel.attention``)."""
+    tensor parallelism passes a ``shard_map`` of it (``jbatch.parallel.attention``), and
+    likewise ``experts`` for :func:`jbatch.models.moe.expert_outputs`."""
     attend = _attention if attention is None else attention
     t = tokens.shape[0]
     if num_decode > t or (t - num_decode) % block_q:
@@ -193,7 +206,6 @@ def forward(
             f"blocks of block_q={block_q}"
         )
     h_, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    layers = params["layers"]
     x = quant.embed_rows(params, jnp.clip(tokens, 0, cfg.vocab_size - 1))  # [T, E]
     if cfg.embed_multiplier != 1.0:
         x = x * jnp.asarray(cfg.embed_multiplier, x.dtype)  # rounded to x's dtype, as HF does
@@ -202,7 +214,7 @@ def forward(
         page_tables, slots, positions, cache.page_size, cache.num_pages
     )
     for i in range(cfg.num_layers):
-        lp = layer_params(layers, i)
+        lp = _layer(params, cfg, i)
         xn = _norm(cfg, x, lp["attn_norm"])
         q = _linear(xn, lp, "wq", "bq").reshape(t, h_, d)
         k = _linear(xn, lp, "wk", "bk").reshape(t, kvh, d)
@@ -229,9 +241,12 @@ def forward(
         out = _linear(attn.reshape(t, h_ * d), lp, "wo", "bo")
         x = x + (_norm(cfg, out, lp["post_attn_norm"]) if cfg.sandwich_norms else out)
         xn = _norm(cfg, x, lp["mlp_norm"])
-        gate = _linear(xn, lp, "w_gate", "b_gate")
-        up = _linear(xn, lp, "w_up", "b_up")
-        out = _linear(_activation(cfg, gate) * up, lp, "w_down", "b_down")
+        if cfg.moe_layers[i]:  # routed experts (jbatch.models.moe)
+            out = moe.sparse_mlp(lp, cfg, xn, positions >= 0, experts)
+        else:
+            gate = _linear(xn, lp, "w_gate", "b_gate")
+            up = _linear(xn, lp, "w_up", "b_up")
+            out = _linear(_activation(cfg, gate) * up, lp, "w_down", "b_down")
         x = x + (_norm(cfg, out, lp["post_mlp_norm"]) if cfg.sandwich_norms else out)
     return _norm(cfg, x, params["final_norm"]), cache
 

@@ -220,11 +220,17 @@ def ensure_quantized(params: dict, wq: WeightQuant | None) -> dict:
     return quantize_params(params, wq)
 
 
-def check_checkpoint(config_json: str | Path, wq: WeightQuant | None) -> None:
+def check_checkpoint(config_json: str | Path, wq: WeightQuant | None, num_experts: int = 0) -> None:
     """Raise ValueError (before any weight is read) if ``wq`` cannot apply to the checkpoint of
-    this ``config.json``: weights already quantized by some other scheme are not re-quantized."""
+    this ``config.json``: weights already quantized by some other scheme are not re-quantized,
+    and mixture-of-experts weights have no int8 path yet."""
     if wq is None:
         return
+    if num_experts:
+        raise ValueError(
+            f"quantization={wq.mode!r} is not supported for mixture-of-experts models yet "
+            f"(this one has {num_experts} experts); run it unquantized"
+        )
     pre = json.loads(Path(config_json).read_text()).get("quantization_config")
     if pre:
         method = pre.get("quant_method") if isinstance(pre, dict) else pre

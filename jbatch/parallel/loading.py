@@ -35,8 +35,10 @@ from jbatch.checkpoint import (
     weight_prefix,
 )
 from jbatch.models.config import ModelConfig
+from jbatch.models.moe_config import mlp_groups
 from jbatch.models.quant import WeightQuant, contraction_axis, quantize, scale_key
 from jbatch.models.quant import param_shapes as quant_param_shapes
+from jbatch.moe_checkpoint import read_param
 from jbatch.parallel.mesh import kv_replication, sharded_model_config
 from jbatch.parallel.sharding import TP, param_shardings
 
@@ -178,6 +180,18 @@ def load_params_sharded(
             out[name] = jax.make_array_from_callback(shape, shardings["layers"][name], cb)
         return out
 
+    def group_param(group: str, key: str):  # a MoE model's MLP groups (jbatch.moe_checkpoint)
+        shape, layer_ids = shapes[group][key], mlp_groups(model_cfg)[group]
+
+        def cb(index):
+            parts = [
+                read_param(files.tensor, files.weight_map, model_cfg, group, key, i, index[1:])
+                for i in layer_ids[index[0]]
+            ]
+            return np.stack(parts).astype(target, copy=False)
+
+        return jax.make_array_from_callback(shape, shardings[group][key], cb)
+
     params: Params = {}
     for key in ("embed", "final_norm", "lm_head"):
         if key in shapes:
@@ -185,6 +199,8 @@ def load_params_sharded(
     params["layers"] = {}
     for key in expected_param_shapes(scfg)["layers"]:
         params["layers"].update(layer(key))
+    for group in mlp_groups(model_cfg):
+        params[group] = {k: group_param(group, k) for k in shapes[group]}
     return _ordered(params)
 
 

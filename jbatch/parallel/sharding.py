@@ -6,6 +6,10 @@ over the mesh axis ``tp`` (Megatron-style tensor parallelism, laid out for XLA S
   ``wo`` sums the shards' partial outputs.
 * MLP: ``w_gate``/``w_up`` column-parallel over the intermediate dimension, ``w_down``
   row-parallel (one all-reduce).
+* Mixture of experts (the ``moe`` and ``dense_mlp`` groups of ``jbatch.moe_checkpoint``): the
+  same inside every expert — ``expert_gate``/``expert_up`` ``[L, N, E, F]`` split on F,
+  ``expert_down`` ``[L, N, F, E]`` on F, one all-reduce per layer
+  (``jbatch.parallel.experts``); the router is replicated.
 * Vocabulary: ``embed`` and ``lm_head`` split over vocab rows (a vocab not divisible by ``tp``
   stays replicated).
 * KV pool ``[P, S, KVH, D]``: split over KV heads (axis 2), after the KV-head replication of
@@ -39,6 +43,7 @@ _LAYER_AXES = {
     "wo": 1,
     "w_gate": 2, "w_up": 2, "b_gate": 1, "b_up": 1,
     "w_down": 1,
+    "expert_gate": 3, "expert_up": 3, "expert_down": 2,
 }  # fmt: skip
 
 
@@ -61,7 +66,7 @@ def param_specs(shapes: dict, tp: int) -> dict:
     top_axes = {"embed": 0, "lm_head": 0}
     out: dict[str, Any] = {}
     for key, value in shapes.items():
-        if key == "layers":
+        if isinstance(value, dict):  # "layers" and a MoE model's MLP groups
             out[key] = {k: spec(v, _axis(k, value, _LAYER_AXES)) for k, v in value.items()}
         else:
             out[key] = spec(value, _axis(key, shapes, top_axes))
