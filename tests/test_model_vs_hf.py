@@ -171,3 +171,34 @@ def test_bfloat16_forward_runs_close(hf_checkpoint):
     (got,) = runner.step([], [(0, ids, 0)])
     assert got.dtype == np.float32 and np.isfinite(got).all()
     assert rel_err(got, hf_logits(model, ids)) < 5e-2
+
+
+def test_gemma3_multimodal_folder_serves_its_language_model(tmp_path):
+    """A Gemma3ForConditionalGeneration folder (text config nested, weights under
+    ``language_model.``, a vision tower beside them): jbatch loads the language model, and its
+    text-only logits are HF's."""
+    import transformers
+
+    from tests.hf_models import _BASE
+
+    text = transformers.Gemma3TextConfig(**{**_BASE, **VARIANTS["gemma3"][2]})
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )  # fmt: skip
+    cfg = transformers.Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+        image_token_index=383, boi_token_index=381, eoi_token_index=382,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    model.save_pretrained(tmp_path)
+    jcfg, params = load_model(tmp_path)
+    assert (jcfg.model_type, jcfg.num_layers) == ("gemma3", 3)
+    ids = np.random.RandomState(1).randint(0, 380, 30)
+    (got,) = PagedRunner(jcfg, params, 4, scrambled_tables(2, 48, seed=2)).step([], [(1, ids, 0)])
+    assert rel_err(got, hf_logits(model, ids)) < 1e-4
