@@ -145,6 +145,26 @@ PARALLEL_VARIANTS = {
             head_dim=16,
         ),
     ),
+    # Soft caps and sandwich norms under shard_map; Phi-3's fused projections split per shard.
+    "gemma2_tp": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=16,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=5.0,
+            pad_token_id=0,
+        ),
+    ),
+    "phi3_tp": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=1, pad_token_id=0),
+    ),  # fmt: skip
 }
 
 

@@ -33,12 +33,15 @@ FULL = "1x1,2x1,4x1,8x1,4x2"  # tp x dp
 # split at 2, replicated at 8) and mistral (8 KV heads: always split) the tp values that differ
 # for them — dp is model-agnostic (replicas + router), and CPU time in CI is short.
 # mistral (head dim 16) also runs the Pallas kernel (interpret mode) per shard under shard_map.
-# qwen3_moe (mixture of experts, tests/test_moe.py): experts split inside, at tp=2.
+# qwen3_moe (mixture of experts, tests/test_moe.py): experts split inside, at tp=2; gemma2 (soft
+# caps, sandwich norms) and phi3 (fused qkv/gate_up split as the shards are read) at tp=2.
 MATRIX = {
     "llama_tp": FULL,
     "qwen2_tp": "1x1,2x1,8x1",
     "mistral_tp": "1x1,2x1,8x1,4x1:pallas_interpret",
     "qwen3_moe": "1x1,2x1",
+    "gemma2_tp": "1x1,2x1",
+    "phi3_tp": "1x1,2x1",
 }
 TIMEOUT = 900
 
