@@ -202,3 +202,13 @@ def test_gemma3_multimodal_folder_serves_its_language_model(tmp_path):
     ids = np.random.RandomState(1).randint(0, 380, 30)
     (got,) = PagedRunner(jcfg, params, 4, scrambled_tables(2, 48, seed=2)).step([], [(1, ids, 0)])
     assert rel_err(got, hf_logits(model, ids)) < 1e-4
+
+
+def test_gemma2_through_the_pallas_kernel_matches_hf(hf_checkpoint):
+    """The kernel gets Gemma 2's softmax scale and soft cap from the model (interpret mode)."""
+    path, model = hf_checkpoint("gemma2")
+    cfg, params = load_model(path, dtype="float32")
+    ids = np.random.RandomState(4).randint(0, cfg.vocab_size, 19)
+    runner = PagedRunner(cfg, params, 16, scrambled_tables(2, 8, seed=5), impl="pallas_interpret")
+    (got,) = runner.step([], [(1, ids, 0)])
+    assert rel_err(got, hf_logits(model, ids)) < 1e-4
