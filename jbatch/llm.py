@@ -19,6 +19,7 @@ from jbatch.models.quant import check_checkpoint
 from jbatch.outputs import OutputKind, RequestOutput
 from jbatch.sampling_params import SamplingParams
 from jbatch.tokenizer import Tokenizer
+from pallas_kernels.kv_quant import check_backend
 
 Prompt = str | Seq[int]
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; valid: {sorted(fields)}")
         self.config = EngineConfig(**engine_kwargs)
+        check_backend(self.config.kv_cache_dtype)  # before any weights load
         if not Path(model).is_dir():
             raise FileNotFoundError(f"{model}: model directory not found")
         model_cfg = ModelConfig.from_file(Path(model) / "config.json")

@@ -12,7 +12,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
 
 from pallas_kernels.paged_attention_reference import paged_attention_reference
 from pallas_kernels.paged_attention_xla import paged_attention_xla
@@ -36,8 +36,8 @@ def resolve_impl(impl: str, q=None, k_pages=None) -> str:
 
 def paged_attention_rows(
     q: Float[Array, "t h d"],
-    k_pages: Float[Array, "p s kvh d"],
-    v_pages: Float[Array, "p s kvh d"],
+    k_pages: Shaped[Array, "p s kvh d"],
+    v_pages: Shaped[Array, "p s kvh d"],
     row_entry: Int[Array, " t"],
     entry_tables: Int[Array, "e mp"],
     positions: Int[Array, " t"],
@@ -47,6 +47,8 @@ def paged_attention_rows(
     soft_cap: float | None = None,
     max_query_len: int | None = None,
     interpret: bool = False,
+    k_scales: Float[Array, "p s kvh"] | None = None,
+    v_scales: Float[Array, "p s kvh"] | None = None,
 ) -> Float[Array, "t h d"]:
     """Flat rows grouped into entries (contiguous runs of rows, entry ``row_entry[t]``, each one
     sequence reading ``entry_tables[e]``) through ONE ragged Pallas call.
@@ -74,6 +76,8 @@ def paged_attention_rows(
         soft_cap=soft_cap,
         max_query_len=max_query_len,
         interpret=interpret,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
     return jnp.where(valid[:, None, None], out[jnp.clip(dest, 0, t - 1)], 0).astype(q.dtype)
 
@@ -81,8 +85,8 @@ def paged_attention_rows(
 @functools.partial(jax.named_call, name="paged_attention")
 def paged_attention(
     q: Float[Array, "n bq h d"],
-    k_pages: Float[Array, "p s kvh d"],
-    v_pages: Float[Array, "p s kvh d"],
+    k_pages: Shaped[Array, "p s kvh d"],
+    v_pages: Shaped[Array, "p s kvh d"],
     block_tables: Int[Array, "n mp"],
     q_positions: Int[Array, "n bq"],
     *,
@@ -90,10 +94,12 @@ def paged_attention(
     scale: float | None = None,
     soft_cap: float | None = None,
     impl: str = "auto",
+    k_scales: Float[Array, "p s kvh"] | None = None,
+    v_scales: Float[Array, "p s kvh"] | None = None,
 ) -> Float[Array, "n bq h d"]:
     """Attention of query blocks over a paged KV pool (layout: ``paged_attention_reference``).
     ``scale`` is the softmax scale (default ``head_dim ** -0.5``); ``soft_cap`` squashes scores
-    to ``cap * tanh(score / cap)`` (Gemma 2).
+    to ``cap * tanh(score / cap)`` (Gemma 2). An 8-bit pool passes its ``k_scales``/``v_scales``.
 
     With a Pallas impl a block's valid rows must be its last tokens in order (as the engine
     builds them): see :func:`paged_attention_rows`."""
@@ -114,6 +120,8 @@ def paged_attention(
             soft_cap=soft_cap,
             max_query_len=bq,
             interpret=impl == "pallas_interpret",
+            k_scales=k_scales,
+            v_scales=v_scales,
         )
         return out.reshape(n, bq, h, d)
     fn = {"reference": paged_attention_reference, "xla": paged_attention_xla}[impl]
@@ -126,4 +134,6 @@ def paged_attention(
         sliding_window=sliding_window,
         scale=scale,
         soft_cap=soft_cap,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )

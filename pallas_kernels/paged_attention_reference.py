@@ -14,6 +14,11 @@ Vocabulary shared by every implementation in this package:
   Key ``c`` is visible to a query at position ``p`` iff ``c <= p`` (causal) and, with a sliding
   window ``w``, ``c > p - w``. K/V of the query tokens themselves must already be in the pool.
 
+* **8-bit pools** (optional ``k_scales, v_scales: [P, S, KVH]``, see
+  :mod:`pallas_kernels.kv_quant`): ``k_pages``/``v_pages`` hold int8 or float8 entries and each
+  path dequantizes what it gathers, to the query's dtype — the result is that of a float pool
+  holding the dequantized values.
+
 Padding rows return zeros. Pool entries past a block's last query position are never read into a
 result, even when they hold NaN (free or recycled pages): they are masked before the softmax *and*
 zeroed before the value product, since 0 * NaN = NaN.
@@ -22,7 +27,9 @@ zeroed before the value product, since 0 * NaN = NaN.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
+
+from pallas_kernels.kv_quant import dequantize
 
 _NEG = -1e30  # finite "minus infinity": keeps exp() and max() NaN-free on fully masked rows
 
@@ -40,25 +47,41 @@ def key_mask(
 
 
 def gather_pages(
-    pages: Float[Array, "p s kvh d"], block_tables: Int[Array, "n mp"]
-) -> Float[Array, "n c kvh d"]:
-    """Gather each block's pages into one contiguous [N, max_pages * S, KVH, D] key/value run."""
-    num_pages, page_size, kvh, d = pages.shape
+    pages: Shaped[Array, "p s *rest"], block_tables: Int[Array, "n mp"]
+) -> Shaped[Array, "n c *rest"]:
+    """Gather each block's pages into one contiguous [N, max_pages * S, KVH, D] key/value run
+    (or [N, max_pages * S, KVH] of scales)."""
+    num_pages, page_size, *rest = pages.shape
     n, mp = block_tables.shape
     idx = jnp.clip(block_tables, 0, num_pages - 1)
-    return pages[idx].reshape(n, mp * page_size, kvh, d)  # [N, MP, S, KVH, D] -> [N, C, KVH, D]
+    return pages[idx].reshape(n, mp * page_size, *rest)  # [N, MP, S, ...] -> [N, C, ...]
+
+
+def gather_kv(
+    pages: Shaped[Array, "p s kvh d"],
+    scales: Float[Array, "p s kvh"] | None,
+    block_tables: Int[Array, "n mp"],
+    dtype,
+) -> Float[Array, "n c kvh d"]:
+    """:func:`gather_pages`, dequantized to ``dtype`` when the pool is 8-bit (``scales``)."""
+    out = gather_pages(pages, block_tables)
+    if scales is None:
+        return out
+    return dequantize(out, gather_pages(scales, block_tables), dtype)
 
 
 def paged_attention_reference(
     q: Float[Array, "n bq h d"],
-    k_pages: Float[Array, "p s kvh d"],
-    v_pages: Float[Array, "p s kvh d"],
+    k_pages: Shaped[Array, "p s kvh d"],
+    v_pages: Shaped[Array, "p s kvh d"],
     block_tables: Int[Array, "n mp"],
     q_positions: Int[Array, "n bq"],
     *,
     sliding_window: int | None = None,
     scale: float | None = None,
     soft_cap: float | None = None,
+    k_scales: Float[Array, "p s kvh"] | None = None,
+    v_scales: Float[Array, "p s kvh"] | None = None,
 ) -> Float[Array, "n bq h d"]:
     """Attention of query blocks over their sequences' whole page lists (plainly correct, slow).
 
@@ -67,8 +90,8 @@ def paged_attention_reference(
     kvh = k_pages.shape[2]
     g = h // kvh
     scale = d**-0.5 if scale is None else scale
-    k = gather_pages(k_pages, block_tables)  # [N, C, KVH, D]
-    v = gather_pages(v_pages, block_tables)  # [N, C, KVH, D]
+    k = gather_kv(k_pages, k_scales, block_tables, q.dtype)  # [N, C, KVH, D]
+    v = gather_kv(v_pages, v_scales, block_tables, q.dtype)  # [N, C, KVH, D]
     c = k.shape[1]
     kpos = jnp.arange(c, dtype=jnp.int32)
     mask = key_mask(q_positions, kpos, sliding_window)  # [N, Bq, C]

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
 
-from pallas_kernels.paged_attention_reference import _NEG, gather_pages, key_mask
+from pallas_kernels.paged_attention_reference import _NEG, gather_kv, key_mask
 
 
 def paged_attention_xla(
     q: Float[Array, "n bq h d"],
-    k_pages: Float[Array, "p s kvh d"],
-    v_pages: Float[Array, "p s kvh d"],
+    k_pages: Shaped[Array, "p s kvh d"],
+    v_pages: Shaped[Array, "p s kvh d"],
     block_tables: Int[Array, "n mp"],
     q_positions: Int[Array, "n bq"],
     *,
@@ -34,11 +34,16 @@ def paged_attention_xla(
     scale: float | None = None,
     soft_cap: float | None = None,
     chunk_tokens: int = 64,
+    k_scales: Float[Array, "p s kvh"] | None = None,
+    v_scales: Float[Array, "p s kvh"] | None = None,
 ) -> Float[Array, "n bq h d"]:
+    """8-bit pools (``k_scales``/``v_scales``) are dequantized chunk by chunk, after the gather:
+    only the chunk's pages are ever widened, never the pool."""
     n, bq = q.shape[:2]
     g = DECODE_ROW_GROUP
+    pool = (k_pages, v_pages, k_scales, v_scales)
     attend = lambda q, tables, pos: _attend(
-        q, k_pages, v_pages, tables, pos, sliding_window, scale, soft_cap, chunk_tokens
+        q, pool, tables, pos, sliding_window, scale, soft_cap, chunk_tokens
     )
     if not (bq == 1 and n > g and n % g == 0):
         return attend(q, block_tables, q_positions)
@@ -58,9 +63,8 @@ def paged_attention_xla(
 DECODE_ROW_GROUP = 8  # single-row blocks per group (each group: its own trip count)
 
 
-def _attend(
-    q, k_pages, v_pages, block_tables, q_positions, sliding_window, scale, soft_cap, chunk_tokens
-):
+def _attend(q, pool, block_tables, q_positions, sliding_window, scale, soft_cap, chunk_tokens):
+    k_pages, v_pages, k_scales, v_scales = pool
     n, bq, h, d = q.shape
     _, page_size, kvh, _ = k_pages.shape
     g = h // kvh
@@ -86,8 +90,8 @@ def _attend(
     def body(carry):
         i, m, l_sum, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(tables, i * cp, cp, axis=1)  # [N, CP]
-        k = gather_pages(k_pages, pages)  # [N, CL, KVH, D]
-        v = gather_pages(v_pages, pages)
+        k = gather_kv(k_pages, k_scales, pages, q.dtype)  # [N, CL, KVH, D]
+        v = gather_kv(v_pages, v_scales, pages, q.dtype)
         kpos = i * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)  # [CL]
         live = kpos[None, :] <= block_last[:, None]  # [N, CL]
         # Garbage (even NaN) in K past the context only reaches masked scores, which ``where``

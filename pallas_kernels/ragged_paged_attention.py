@@ -22,6 +22,10 @@ Work decomposition (all computed in JAX before the kernel, so the kernel sees on
   ``c <= p`` (and ``c > p - window``) are visible; keys at or past the tile's last position + 1 are
   zeroed before both products (pages there may hold NaN), page ids are clamped into the pool, and
   the loop bounds skip blocks past the tile's end or before its window.
+* **8-bit pools** (``k_scales``/``v_scales``, :mod:`pallas_kernels.kv_quant`): the kernel loads
+  each block's int8/float8 pages and their ``[pages, S]`` scale rows (the same page ids, the
+  same KV head) and dequantizes them to the query dtype in registers, before the masking above:
+  HBM traffic is the 8-bit pages plus 2 bytes per key, and nothing widens the pool.
 
 Backend: the kernel is written with portable Pallas primitives (``BlockSpec`` indexing, gather by
 page id, ``lax.dot_general``) and lowered by the Triton backend; ``_compiler_params`` is the one
@@ -35,8 +39,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
 
+from pallas_kernels.kv_quant import check_scales, dequantize
 from pallas_kernels.paged_attention_reference import _NEG, paged_attention_reference
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -61,17 +66,18 @@ def _kernel(
     pos_ref,  # [M] absolute position of each MMA row (-1: nothing to compute)
     tables_ref,  # [PPS] this split's page ids (clamped into the pool)
     q_ref,  # [M, D] block_q rows x G heads of one KV head
-    k_ref,  # [P, S, D] the whole pool of this KV head
+    k_ref,  # [P, S, D] the whole pool of this KV head (8-bit when quantized)
     v_ref,  # [P, S, D]
-    o_ref,  # [M, D] float32, normalised by this split's denominator
-    m_ref,  # [M] running max of this split
-    l_ref,  # [M] softmax denominator of this split
-    *,
+    *refs,  # quantized: ks_ref, vs_ref ([P, S] scales of this KV head); then the outputs:
+    # o_ref [M, D] float32, normalised by this split's denominator; m_ref [M] running max of
+    # this split; l_ref [M] softmax denominator of this split
+    quantized: bool,
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     pages_per_block: int,
 ):
+    ks_ref, vs_ref, o_ref, m_ref, l_ref = refs if quantized else (None, None, *refs)
     split = pl.program_id(2)
     m_rows, d = q_ref.shape
     page_size = k_ref.shape[1]
@@ -96,6 +102,9 @@ def _kernel(
         ids = tables_ref[pl.ds(b * pages_per_block, pages_per_block)]  # [PPB]
         k = k_ref[ids].reshape(block_k, d)  # [BK, D]
         v = v_ref[ids].reshape(block_k, d)  # [BK, D]
+        if quantized:  # dequantize before masking: a NaN scale is masked like NaN data
+            k = dequantize(k, ks_ref[ids].reshape(block_k), q.dtype)
+            v = dequantize(v, vs_ref[ids].reshape(block_k), q.dtype)
         kpos = split_start + b * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK]
         live = (kpos < kv_end)[:, None]  # [BK, 1]; never-written keys may be NaN
         k = jnp.where(live, k, jnp.zeros_like(k))
@@ -144,10 +153,11 @@ def _compiler_params(backend: str):
 
 def _ragged_pallas_call(
     q_tiles: Float[Array, "n kvh m d"],
-    k_pages: Float[Array, "p s kvh d"],
-    v_pages: Float[Array, "p s kvh d"],
+    k_pages: Shaped[Array, "p s kvh d"],
+    v_pages: Shaped[Array, "p s kvh d"],
     tile_tables: Int[Array, "n k pps"],
     tile_pos: Int[Array, "n m"],
+    scales: tuple[Float[Array, "p s kvh"], Float[Array, "p s kvh"]] | None,
     *,
     scale: float,
     soft_cap: float | None,
@@ -161,13 +171,16 @@ def _ragged_pallas_call(
     splits, pps = tile_tables.shape[1:]
     kernel = functools.partial(
         _kernel,
+        quantized=scales is not None,
         scale=scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         pages_per_block=pages_per_block,
     )
     pool_spec = pl.BlockSpec((num_pages, page_size, None, d), lambda i, h, k: (0, 0, h, 0))
+    scale_spec = pl.BlockSpec((num_pages, page_size, None), lambda i, h, k: (0, 0, h))
     row_spec = pl.BlockSpec((None, None, None, m), lambda i, h, k: (k, i, h, 0))
+    scales = () if scales is None else tuple(scales)
     return pl.pallas_call(
         kernel,
         grid=(n, kvh, splits),
@@ -177,6 +190,7 @@ def _ragged_pallas_call(
             pl.BlockSpec((None, None, m, d), lambda i, h, k: (i, h, 0, 0)),  # q_tiles
             pool_spec,  # k_pages
             pool_spec,  # v_pages
+            *[scale_spec] * len(scales),  # k_scales, v_scales (8-bit pools)
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, m, d), lambda i, h, k: (k, i, h, 0, 0)),
@@ -190,8 +204,9 @@ def _ragged_pallas_call(
         ],
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(backend),
-        name=f"ragged_paged_attention_m{m}_bk{pages_per_block * page_size}",
-    )(tile_pos, tile_tables, q_tiles, k_pages, v_pages)
+        name=f"ragged_paged_attention_m{m}_bk{pages_per_block * page_size}"
+        + ("_q8" if scales else ""),
+    )(tile_pos, tile_tables, q_tiles, k_pages, v_pages, *scales)
 
 
 # -------------------------------------------------------------------------- validated entry point
@@ -223,11 +238,6 @@ def _validate(q, k_pages, v_pages, page_tables, seq_lens, query_starts, block_q,
         raise ValueError(f"head dim D={d} not supported: must be a power of two >= 16")
     if not _pow2(page_size):
         raise ValueError(f"page size S={page_size} not supported: must be a power of two")
-    if not (q.dtype == k_pages.dtype == v_pages.dtype) or q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"q/k/v dtypes must match and be f32/bf16/f16; got {q.dtype}, "
-            f"{k_pages.dtype}, {v_pages.dtype}"
-        )
     s = seq_lens.shape[0] if seq_lens.ndim == 1 else -1
     if s < 1 or page_tables.ndim != 2 or page_tables.shape[0] != s:
         raise ValueError(
@@ -280,8 +290,8 @@ _STATIC = "sliding_window soft_cap scale block_q max_query_len pages_per_block n
 @functools.partial(jax.jit, static_argnames=(*_STATIC.split(), "backend", "interpret"))
 def ragged_paged_attention(
     q: Float[Array, "t h d"],
-    k_pages: Float[Array, "p s kvh d"],
-    v_pages: Float[Array, "p s kvh d"],
+    k_pages: Shaped[Array, "p s kvh d"],
+    v_pages: Shaped[Array, "p s kvh d"],
     page_tables: Int[Array, "seqs mp"],
     seq_lens: Int[Array, " seqs"],
     query_starts: Int[Array, " seqs_plus_1"],
@@ -295,11 +305,14 @@ def ragged_paged_attention(
     num_kv_splits: int | None = None,
     backend: str = "triton",
     interpret: bool = False,
+    k_scales: Float[Array, "p s kvh"] | None = None,
+    v_scales: Float[Array, "p s kvh"] | None = None,
 ) -> Float[Array, "t h d"]:
     """Causal GQA attention of ragged query rows over a paged pool (rows outside every sequence
     return zeros). ``max_query_len`` (static) is an upper bound on any sequence's query rows:
     ``max_query_len=1`` selects the decode tiling (one row x G heads per tile). ``block_q``,
-    ``pages_per_block`` and ``num_kv_splits`` override the tiling heuristics."""
+    ``pages_per_block`` and ``num_kv_splits`` override the tiling heuristics. An 8-bit pool
+    passes its ``k_scales``/``v_scales``."""
     t, h, d = q.shape
     num_pages, page_size, kvh, _ = k_pages.shape
     g = h // max(kvh, 1)
@@ -315,6 +328,12 @@ def ragged_paged_attention(
     _validate(
         q, k_pages, v_pages, page_tables, seq_lens, query_starts, block_q, pages_per_block, splits
     )
+    check_scales(k_pages, v_pages, k_scales, v_scales)
+    if q.dtype not in SUPPORTED_DTYPES or (k_scales is None and k_pages.dtype != q.dtype):
+        raise ValueError(
+            f"q dtype must be f32/bf16/f16 and match a float pool's; got q {q.dtype}, "
+            f"k/v {k_pages.dtype}"
+        )
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window} must be >= 1")
     if soft_cap is not None and soft_cap <= 0:
@@ -341,6 +360,7 @@ def ragged_paged_attention(
         v_pages,
         tables,
         tile_pos,
+        None if k_scales is None else (k_scales, v_scales),
         scale=scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
@@ -370,8 +390,8 @@ def ragged_paged_attention(
 
 def ragged_paged_attention_reference(
     q: Float[Array, "t h d"],
-    k_pages: Float[Array, "p s kvh d"],
-    v_pages: Float[Array, "p s kvh d"],
+    k_pages: Shaped[Array, "p s kvh d"],
+    v_pages: Shaped[Array, "p s kvh d"],
     page_tables: Int[Array, "seqs mp"],
     seq_lens: Int[Array, " seqs"],
     query_starts: Int[Array, " seqs_plus_1"],
@@ -379,6 +399,8 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     scale: float | None = None,
+    k_scales: Float[Array, "p s kvh"] | None = None,
+    v_scales: Float[Array, "p s kvh"] | None = None,
 ) -> Float[Array, "t h d"]:
     """Same contract, via the block oracle with one row per block (gathers whole page lists)."""
     t = q.shape[0]
@@ -397,5 +419,7 @@ def ragged_paged_attention_reference(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         scale=scale,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )  # [T, 1, H, D]
     return out[:, 0]

@@ -6,8 +6,10 @@ import dataclasses
 
 from jbatch.models.quant import WeightQuant
 from pallas_kernels import IMPLEMENTATIONS
+from pallas_kernels.kv_quant import KV_STORAGE_DTYPES, storage_dtype
 
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", *KV_STORAGE_DTYPES)  # "auto": the model dtype
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
@@ -23,6 +25,9 @@ class EngineConfig:
     attn_impl: paged attention implementation: "auto" (the Pallas kernel on GPU, XLA
         elsewhere), "xla", "reference", "pallas", or "pallas_interpret" (the kernel in Pallas
         interpret mode: CPU tests).
+    kv_cache_dtype: what the KV pool stores: "auto" (the model dtype), "int8" or "fp8_e4m3"
+        (8-bit entries plus one bfloat16 scale per token and KV head: ~1.9x the tokens of a
+        bfloat16 pool in the same bytes; see ``pallas_kernels.kv_quant``).
     enable_prefix_caching: reuse full KV pages of identical prompt prefixes across requests.
     aging_steps: a waiting request's priority improves by one every this many steps (0 = no
         aging: strict priority, FCFS within a priority).
@@ -47,6 +52,7 @@ class EngineConfig:
     dtype: str = "float32"
     block_q: int = 16
     attn_impl: str = "auto"
+    kv_cache_dtype: str = "auto"
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
     aging_steps: int = 64
@@ -80,6 +86,10 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         self.weight_quant  # noqa: B018 (validates quantization and quantize_lm_head)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.attn_impl not in IMPLEMENTATIONS:
             raise ValueError(f"attn_impl must be one of {IMPLEMENTATIONS}, got {self.attn_impl!r}")
         if self.max_num_batched_tokens < self.block_q:
@@ -101,6 +111,11 @@ class EngineConfig:
                 raise ValueError("quantize_lm_head=True needs quantization (e.g. 'int8')")
             return None
         return WeightQuant(self.quantization, self.quantize_lm_head)
+
+    @property
+    def kv_storage_dtype(self):
+        """The KV pool's dtype (int8 / float8_e4m3fn for an 8-bit pool)."""
+        return storage_dtype(self.kv_cache_dtype, self.dtype)
 
     @property
     def max_pages_per_seq(self) -> int:

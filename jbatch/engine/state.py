@@ -18,7 +18,7 @@ from jbatch.models.kv_cache import KVCache
 
 @struct.dataclass
 class EngineState:
-    cache: KVCache  # per layer [P, S, KVH, D] K and V
+    cache: KVCache  # per layer [P, S, KVH, D] K and V (8-bit pools: plus [P, S, KVH] scales)
     # Page ids of each slot's sequence; unassigned entries hold num_pages (out of bounds: writes
     # through them are dropped, reads are masked by position).
     page_tables: Int32[Array, "slots max_pages"]
@@ -58,7 +58,7 @@ def init_state(model_cfg: ModelConfig, cfg: EngineConfig) -> EngineState:
     s = cfg.max_slots
     zeros = lambda: jnp.zeros((s,), jnp.int32)  # distinct buffers: each field is donated
     return EngineState(
-        cache=KVCache.zeros(model_cfg, cfg.num_pages, cfg.page_size, jnp.dtype(cfg.dtype)),
+        cache=KVCache.zeros(model_cfg, cfg.num_pages, cfg.page_size, cfg.kv_storage_dtype),
         page_tables=jnp.full((s, cfg.max_pages_per_seq), cfg.num_pages, jnp.int32),
         tokens=zeros(),
         seq_lens=zeros(),

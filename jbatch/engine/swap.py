@@ -1,7 +1,8 @@
 """Swap preemption: move one slot's KV pages and per-slot state to host RAM and back.
 
 ``swap_out`` gathers a slot's pages (padded to ``max_pages`` entries; padding reads are junk that
-``swap_in`` drops) and its rows of every per-slot array, and retires the slot. ``swap_in`` writes
+``swap_in`` drops) of every pool buffer — an 8-bit pool's scales with its data — and its rows of
+every per-slot array, and retires the slot. ``swap_in`` writes
 them into freshly allocated pages of any free slot and reactivates it: the sequence continues as
 if nothing happened — same positions, RNG counter and penalty statistics, no recomputation.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jaxtyping import Array, Bool, Float, Int32
+from jaxtyping import Array, Bool, Int32
 
 from jbatch.engine.sampler import SlotSampling
 from jbatch.engine.state import EngineState
@@ -22,8 +23,7 @@ _ROW_FIELDS = ("tokens", "seq_lens", "prefill_lens", "prompt_lens", "num_generat
 
 @struct.dataclass
 class SwappedSlot:
-    k: tuple[Float[Array, "max_pages page_size kv_heads head_dim"], ...]  # per layer
-    v: tuple[Float[Array, "max_pages page_size kv_heads head_dim"], ...]
+    kv: KVCache  # the slot's max_pages pages of every layer's buffers (scales included)
     rows: dict[str, Int32[Array, ""]]  # tokens, seq_lens, prefill_lens, ... of the slot
     sampling: SlotSampling  # scalar fields: the slot's sampling row
     prompt_mask: Bool[Array, " vocab"]
@@ -36,8 +36,7 @@ def swap_out(
     """Copy ``slot``'s pages and rows out and retire the slot."""
     idx = jnp.clip(pages, 0, state.cache.num_pages - 1)
     saved = SwappedSlot(
-        k=tuple(layer[idx] for layer in state.cache.k),
-        v=tuple(layer[idx] for layer in state.cache.v),
+        kv=jax.tree.map(lambda buf: buf[idx], state.cache),
         rows={f: getattr(state, f)[slot] for f in _ROW_FIELDS},
         sampling=jax.tree.map(lambda a: a[slot], state.sampling),
         prompt_mask=state.prompt_mask[slot],
@@ -54,10 +53,8 @@ def swap_in(
 ) -> EngineState:
     """Write a swapped-out sequence into fresh ``pages`` (entries == num_pages are padding) of a
     free ``slot`` and reactivate it."""
-    put = lambda layers, data: tuple(
-        layer.at[pages].set(d.astype(layer.dtype), mode="drop") for layer, d in zip(layers, data)
-    )
-    cache = KVCache(k=put(state.cache.k, saved.k), v=put(state.cache.v, saved.v))
+    put = lambda buf, data: buf.at[pages].set(data.astype(buf.dtype), mode="drop")
+    cache = jax.tree.map(put, state.cache, saved.kv)
     rows = {f: getattr(state, f).at[slot].set(saved.rows[f]) for f in _ROW_FIELDS}
     return state.replace(
         cache=cache,

@@ -14,23 +14,39 @@ Layout (pages, page size, KV heads, head dim), one buffer per layer:
   every page, page ids are identical on all chips, and the page tables stay replicated.
 * Page ids are shared by all layers: a sequence's page table says where its tokens live in every
   layer at once.
+* An 8-bit pool (int8 / float8_e4m3fn data) also holds one bfloat16 scale per token and KV head
+  and layer, ``[P, S, KVH]`` (:mod:`pallas_kernels.kv_quant`): a token's write quantizes its
+  row and sets its scale, and every reader dequantizes. The scales share the pool's first three
+  axes, so page ids, swaps (which gather/scatter whole pages of every leaf) and the KV-head
+  sharding apply to them unchanged.
 """
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 from flax import struct
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
 
 from jbatch.models.config import ModelConfig
+from pallas_kernels.kv_quant import SCALE_DTYPE, is_quantized, quantize
 
-LayerPool = Float[Array, "pages page_size kv_heads head_dim"]
+LayerPool = Shaped[Array, "pages page_size kv_heads head_dim"]  # float, or 8-bit with scales
+LayerScales = Float[Array, "pages page_size kv_heads"]
 
 
 @struct.dataclass
 class KVCache:
     k: tuple[LayerPool, ...]  # one per layer
     v: tuple[LayerPool, ...]
+    k_scale: tuple[LayerScales, ...] | None = None  # one per layer when the pool is 8-bit
+    v_scale: tuple[LayerScales, ...] | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
     @property
     def num_pages(self) -> int:
@@ -40,11 +56,32 @@ class KVCache:
     def page_size(self) -> int:
         return self.k[0].shape[1]
 
+    def scales(self, layer: int) -> tuple[LayerScales | None, LayerScales | None]:
+        """Layer ``layer``'s K and V scales (``None, None`` for a float pool)."""
+        if not self.quantized:
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
+
+    def layer(self, layer: int) -> KVCache:
+        """A one-layer cache holding layer ``layer``'s buffers (what per-shard attention reads)."""
+        one = lambda t: None if t is None else (t[layer],)
+        return KVCache(*(one(t) for t in (self.k, self.v, self.k_scale, self.v_scale)))
+
     @classmethod
     def full(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, value=0.0) -> KVCache:
+        """A pool every entry of which reads as ``value`` (an 8-bit ``dtype``: data 0 or 1,
+        scales ``value``, so NaN pools stay possible)."""
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        new = lambda: tuple(jnp.full(shape, value, dtype) for _ in range(cfg.num_layers))
-        return cls(k=new(), v=new())
+        layers = lambda shape, v, dt: tuple(jnp.full(shape, v, dt) for _ in range(cfg.num_layers))
+        if not is_quantized(dtype):
+            return cls(k=layers(shape, value, dtype), v=layers(shape, value, dtype))
+        data = 0 if value == 0 else 1
+        return cls(
+            k=layers(shape, data, dtype),
+            v=layers(shape, data, dtype),
+            k_scale=layers(shape[:3], value, SCALE_DTYPE),
+            v_scale=layers(shape[:3], value, SCALE_DTYPE),
+        )
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
@@ -76,11 +113,24 @@ def write_layer(
     pages: Int[Array, " t"],
     offsets: Int[Array, " t"],
 ) -> KVCache:
-    """Scatter one layer's new K/V rows into the pool (in place when the cache is donated)."""
+    """Scatter one layer's new K/V rows into the pool (in place when the cache is donated); an
+    8-bit pool stores each row quantized with its own scale."""
 
     def put(pools, new):
-        pool = pools[layer]  # [P, S, KVH, D]; pool[pages, offsets] is [T, KVH, D] like new
+        pool = pools[layer]  # [P, S, KVH, D] (scales [P, S, KVH]); pool[pages, offsets] ~ new
         pool = pool.at[pages, offsets].set(new.astype(pool.dtype), mode="drop")
         return (*pools[:layer], pool, *pools[layer + 1 :])
 
-    return KVCache(k=put(cache.k, k_new), v=put(cache.v, v_new))
+    if not cache.quantized:
+        return KVCache(k=put(cache.k, k_new), v=put(cache.v, v_new))
+    (kq, ks), (vq, vs) = (quantize(x, cache.k[layer].dtype) for x in (k_new, v_new))
+    return KVCache(
+        k=put(cache.k, kq), v=put(cache.v, vq), k_scale=put(cache.k_scale, ks),
+        v_scale=put(cache.v_scale, vs),
+    )  # fmt: skip
+
+
+def bytes_per_token(cache: KVCache) -> float:
+    """Pool bytes (data and scales, all layers) per token of capacity."""
+    total = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(cache))
+    return total / (cache.num_pages * cache.page_size)

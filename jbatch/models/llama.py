@@ -121,6 +121,7 @@ def _attention(
 ) -> Float[Array, "t h d"]:
     t, h, d = q.shape
     kp, vp = cache.k[layer], cache.v[layer]  # [P, S, KVH, D] each
+    scales = dict(zip(("k_scales", "v_scales"), cache.scales(layer)))  # 8-bit pools: [P, S, KVH]
     impl = resolve_impl(impl, q, kp)
     if impl in PALLAS_IMPLS:
         # One ragged kernel call: every decode row and every prompt block is its own entry.
@@ -144,6 +145,7 @@ def _attention(
             soft_cap=logit_cap,
             max_query_len=block_q if num_blocks else 1,
             interpret=impl == "pallas_interpret",
+            **scales,
         )
     outs = []
     if num_decode:
@@ -157,6 +159,7 @@ def _attention(
             scale=scale,
             soft_cap=logit_cap,
             impl=impl,
+            **scales,
         )
         outs.append(o.reshape(num_decode, h, d))
     num_prefill = t - num_decode
@@ -173,6 +176,7 @@ def _attention(
             scale=scale,
             soft_cap=logit_cap,
             impl=impl,
+            **scales,
         )
         outs.append(o.reshape(num_prefill, h, d))
     return jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]

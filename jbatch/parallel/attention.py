@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jbatch.models import llama
 from jbatch.models.kv_cache import KVCache
-from jbatch.parallel.sharding import KV_POOL_SPEC, TP
+from jbatch.parallel.sharding import TP, kv_spec
 
 
 def sharded_attention(mesh: Mesh) -> Callable:
@@ -27,19 +27,21 @@ def sharded_attention(mesh: Mesh) -> Callable:
     def attend(q, cache: KVCache, layer: int, *rest):
         arrays = [i for i, a in enumerate(rest) if isinstance(a, jax.Array | jax.core.Tracer)]
 
-        def local(q, kp, vp, *arr):
+        def local(q, pool, *arr):
             args = list(rest)
             for i, a in zip(arrays, arr):
                 args[i] = a
-            return llama._attention(q, KVCache(k=(kp,), v=(vp,)), 0, *args)
+            return llama._attention(q, pool, 0, *args)
 
+        pool = cache.layer(layer)  # this layer's K/V (and 8-bit scales), split on KV heads
+        pool_specs = jax.tree.map(lambda a: kv_spec(a.ndim), pool)
         fn = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(P(None, TP, None), KV_POOL_SPEC, KV_POOL_SPEC, *[P()] * len(arrays)),
+            in_specs=(P(None, TP, None), pool_specs, *[P()] * len(arrays)),
             out_specs=P(None, TP, None),
             check_vma=False,
         )
-        return fn(q, cache.k[layer], cache.v[layer], *[rest[i] for i in arrays])
+        return fn(q, pool, *[rest[i] for i in arrays])
 
     return attend

@@ -14,7 +14,8 @@ over the mesh axis ``tp`` (Megatron-style tensor parallelism, laid out for XLA S
   stays replicated).
 * KV pool ``[P, S, KVH, D]``: split over KV heads (axis 2), after the KV-head replication of
   :func:`jbatch.parallel.mesh.sharded_model_config` when ``tp`` exceeds the KV heads. Page ids
-  and page tables are the same on every shard.
+  and page tables are the same on every shard. An 8-bit pool's scales ``[P, S, KVH]`` split the
+  same axis (:func:`kv_spec`): a shard holds exactly its own heads' scales.
 * Int8 weight scales (``wq_scale``...): split like their weight's output axis; replicated for
   row-parallel weights (``wo``, ``w_down``), whose split axis is the one the scales reduce.
 * Everything else (norms, slot arrays, page tables, sampling state): replicated.
@@ -35,7 +36,15 @@ from jbatch.models import quant
 from jbatch.models.config import ModelConfig
 
 TP = "tp"
-KV_POOL_SPEC = P(None, None, TP, None)  # [pages, page_size, kv_heads, head_dim]
+
+
+def kv_spec(ndim: int) -> P:
+    """A KV buffer's spec: KV-head axis 2 split (pool data: 4-D, 8-bit pool scales: 3-D)."""
+    return P(None, None, TP, *[None] * (ndim - 3))
+
+
+KV_POOL_SPEC = kv_spec(4)  # [pages, page_size, kv_heads, head_dim]
+
 
 # layer param -> axis split over tp (None: replicated)
 _LAYER_AXES = {
@@ -123,15 +132,14 @@ def state_shardings(mesh: Mesh, state_shape: Any) -> Any:
     from jbatch.engine.state import EngineState
     from jbatch.engine.swap import SwappedSlot
 
-    pool, rep = NamedSharding(mesh, KV_POOL_SPEC), NamedSharding(mesh, P())
+    rep = NamedSharding(mesh, P())
+    pools = lambda cache: jax.tree.map(lambda a: NamedSharding(mesh, kv_spec(len(a.shape))), cache)
     if isinstance(state_shape, EngineState):
-        cache = jax.tree.map(lambda _: pool, state_shape.cache)
         rest = jax.tree.map(lambda _: rep, state_shape.replace(cache=None))
-        return rest.replace(cache=cache)
+        return rest.replace(cache=pools(state_shape.cache))
     if isinstance(state_shape, SwappedSlot):
-        rest = jax.tree.map(lambda _: rep, state_shape.replace(k=None, v=None))
-        kv = lambda t: tuple(pool for _ in t)
-        return rest.replace(k=kv(state_shape.k), v=kv(state_shape.v))
+        rest = jax.tree.map(lambda _: rep, state_shape.replace(kv=None))
+        return rest.replace(kv=pools(state_shape.kv))
     raise TypeError(f"no sharding rule for {type(state_shape).__name__}")
 
 
