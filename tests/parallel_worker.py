@@ -6,7 +6,8 @@ while the main pytest process has one device) and asserts on the JSON this print
 
 Modes:
 * ``matrix CKPT CONFIGS``: the continuous-batching workload on each ``TPxDP`` of CONFIGS
-  (e.g. ``1x1,2x1,4x1,8x1,4x2``; ``2x1:pallas_interpret`` picks the attention); per config:
+  (e.g. ``1x1,2x1,4x1,8x1,4x2``; ``2x1:pallas_interpret`` picks the attention, ``2x1::int8``
+  the KV cache dtype); per config:
   each request's tokens, compilations after warm-up, and every param's and KV buffer's
   sharding (spec, global shape, per-device shard shapes, devices).
 * ``load_rss CKPT TP [naive]``: peak host RSS while loading CKPT sharded over TP devices
@@ -90,6 +91,7 @@ def describe_engine(engine) -> dict:
     return {
         "params": params,
         "kv": [describe(a) for a in (*cache.k, *cache.v)],
+        "kv_scales": [describe(a) for a in (*(cache.k_scale or ()), *(cache.v_scale or ()))],
         "slot_arrays": describe(engine.state.page_tables),
         "num_kv_heads": engine.model_cfg.num_kv_heads,
     }
@@ -124,9 +126,11 @@ def matrix(ckpt: str, configs: str) -> dict:
     model_cfg = ModelConfig.from_file(os.path.join(ckpt, "config.json"))
     results = {}
     for config in configs.split(","):
-        mesh, _, impl = config.partition(":")  # e.g. "2x1:pallas_interpret"
+        mesh, impl, kv = (config.split(":") + ["", ""])[:3]  # e.g. "2x1:pallas_interpret"
         tp, dp = map(int, mesh.split("x"))
-        cfg = engine_config(tp=tp, dp=dp, **({"attn_impl": impl} if impl else {}))
+        options = {"attn_impl": impl} if impl else {}
+        options |= {"kv_cache_dtype": kv} if kv else {}
+        cfg = engine_config(tp=tp, dp=dp, **options)
         t0 = time.perf_counter()
         engines = build_engines(model_cfg, cfg, model_dir=ckpt)
         engine = engines[0] if dp == 1 else ReplicaRouter(engines)
@@ -136,7 +140,7 @@ def matrix(ckpt: str, configs: str) -> dict:
             jax.block_until_ready(engines[0].state)
         checked = (tp, dp) == (4, 1) or ((tp, dp) == (2, 1) and model_cfg.num_experts > 0)
         collectives = step_collectives(engines[0]) if checked else None
-        results[f"tp{tp}_dp{dp}" + (f"_{impl}" if impl else "")] = {
+        results[f"tp{tp}_dp{dp}" + "".join(f"_{x}" for x in (impl, kv) if x)] = {
             "collectives": collectives,
             "outputs": outs,
             "compiles_after_warmup": compiled,
