@@ -189,6 +189,36 @@ def test_kernel_lowers_for_cuda_with_an_int8_pool():
     assert "ragged_paged_attention_m64_bk128_q8" in module
 
 
+def test_model_forward_on_int8_pool_same_through_kernel_and_xla(hf_checkpoint):
+    """``llama._attention`` hands the scales to the Pallas branch (one ragged call for decode
+    rows and prompt blocks) as to the XLA one: same logits, on a NaN-initialised int8 pool."""
+    from jbatch.checkpoint import load_model
+    from jbatch.models.llama import compute_logits, forward
+
+    cfg, params = load_model(hf_checkpoint("llama")[0], dtype="float32")
+    tables = jnp.asarray(np.random.RandomState(0).permutation(16)[:12].reshape(2, 6), jnp.int32)
+    ids = np.random.RandomState(1).randint(3, 384, 21)
+    # 2 decode rows (slot 1 at position 0; padding), then slot 0's 21-token prompt in 3 blocks
+    toks = jnp.asarray(np.concatenate([[ids[0], 0], ids, [0, 0, 0]]), jnp.int32)
+    pos = jnp.asarray(np.concatenate([[0, -1], np.arange(21), [-1] * 3]), jnp.int32)
+    slots = jnp.asarray(np.concatenate([[1, 0], np.zeros(24)]), jnp.int32)
+
+    def run(impl):
+        def step(cache):
+            kw = dict(num_decode=2, block_q=8, attn_impl=impl)
+            h, cache = forward(params, cfg, cache, toks, pos, slots, tables, **kw)
+            return compute_logits(params, h), cache
+
+        cache = KVCache.full(cfg, 16, 4, INT8, jnp.nan)
+        fn = jax.jit(step).lower(cache).compile(compiler_options=CPU_FAST_COMPILE)
+        return fn(cache)
+
+    (xla, cache), (kernel, _) = run("xla"), run("pallas_interpret")
+    valid = np.asarray(pos) >= 0
+    assert np.isfinite(np.asarray(xla)[valid]).all() and cache.k[0].dtype == INT8
+    np.testing.assert_allclose(np.asarray(kernel)[valid], np.asarray(xla)[valid], atol=1e-4)
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 
 
