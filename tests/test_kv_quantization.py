@@ -207,7 +207,7 @@ def test_model_forward_on_int8_pool_same_through_kernel_and_xla(hf_checkpoint):
         def step(cache):
             kw = dict(num_decode=2, block_q=8, attn_impl=impl)
             h, cache = forward(params, cfg, cache, toks, pos, slots, tables, **kw)
-            return compute_logits(params, h), cache
+            return compute_logits(params, h, cfg), cache
 
         cache = KVCache.full(cfg, 16, 4, INT8, jnp.nan)
         fn = jax.jit(step).lower(cache).compile(compiler_options=CPU_FAST_COMPILE)
