@@ -93,7 +93,7 @@ def _window_logits(cfg, params, cache, tokens, tables):
         params, cfg, cache, tokens, positions, slots, tables,
         num_decode=0, block_q=tokens.shape[0], attn_impl="xla",
     )  # fmt: skip
-    return jax.nn.log_softmax(llama.compute_logits(params, h), axis=-1)
+    return jax.nn.log_softmax(llama.compute_logits(params, h, cfg), axis=-1)
 
 
 def teacher_forced(cfg, params, ecfg: EngineConfig, windows: np.ndarray) -> np.ndarray:
