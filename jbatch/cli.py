@@ -24,10 +24,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         if field.type in ("bool", bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
         else:
-            kind = int if isinstance(field.default, int) else str
-            group.add_argument(
-                flag, type=kind, default=field.default, help=f"default: {field.default}"
-            )
+            kind = int if str(field.type).startswith("int") else str
+            shown = "from the model / the machine" if field.default is None else field.default
+            group.add_argument(flag, type=kind, default=field.default, help=f"default: {shown}")
 
 
 def _add_sampling_flags(

@@ -14,6 +14,7 @@ from jbatch.checkpoint import load_generation_config, load_model
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.interface import StepFailed
 from jbatch.engine.llm_engine import LLMEngine
+from jbatch.engine.sizing import resolve
 from jbatch.models.config import ModelConfig
 from jbatch.models.quant import check_checkpoint
 from jbatch.outputs import OutputKind, RequestOutput
@@ -29,7 +30,9 @@ class LLM:
     """Load a local Hugging Face checkpoint folder and generate with continuous batching.
 
     ``LLM(model_dir, max_slots=8, page_size=16, num_pages=512, max_num_batched_tokens=256,
-    max_seq_len=2048, dtype="float32")``; any :class:`EngineConfig` field is a keyword.
+    dtype="float32")``; any :class:`EngineConfig` field is a keyword. ``max_seq_len`` defaults
+    to the model's ``max_position_embeddings`` (capped by the pool); ``kv_cache_memory="2GiB"``
+    sizes the pool by memory instead of ``num_pages``.
     ``tp``/``dp`` > 1 shard the model over ``tp`` devices per replica and run ``dp`` replicas
     (``self.engine`` is then a :class:`jbatch.parallel.ReplicaRouter` when ``dp > 1``).
     """
@@ -47,11 +50,7 @@ class LLM:
         check_checkpoint(
             Path(model) / "config.json", self.config.weight_quant, model_cfg.num_experts
         )
-        if self.config.max_seq_len > model_cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_seq_len={self.config.max_seq_len} exceeds the model's "
-                f"max_position_embeddings={model_cfg.max_position_embeddings}"
-            )
+        self.config = resolve(self.config, model_cfg)  # sizes left open: from the model
         gen = load_generation_config(model)
         tokenizer = Tokenizer.from_dir(model)
         eos = set(gen.eos_token_ids) | set(model_cfg.eos_token_ids)

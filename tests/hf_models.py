@@ -164,7 +164,7 @@ PARALLEL_VARIANTS = {
         "Phi3Config",
         "Phi3ForCausalLM",
         dict(num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=1, pad_token_id=0),
-    ),  # fmt: skip
+    ),
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jbatch.engine.sizing import parse_memory
 from jbatch.models.quant import WeightQuant
 from pallas_kernels import IMPLEMENTATIONS
 from pallas_kernels.kv_quant import KV_STORAGE_DTYPES, storage_dtype
@@ -18,9 +19,11 @@ class EngineConfig:
     """Static engine sizes. Each field maps onto a CLI flag of the same name (``--max-slots``...).
 
     max_slots: sequences decoded together (rows of every slot array).
-    page_size / num_pages: the paged KV pool (tokens per page, pages in the pool).
+    page_size / num_pages: the paged KV pool (tokens per page, pages in the pool; None: from
+        ``kv_cache_memory``, else 512).
     max_num_batched_tokens: token budget of one step (decode tokens + prompt-chunk tokens).
-    max_seq_len: longest sequence (prompt + output) a slot may hold.
+    max_seq_len: longest sequence (prompt + output) a slot may hold (None: the model's
+        ``max_position_embeddings``, capped by the pool).
     block_q: prompt chunks are laid out in blocks of this many query rows (one sequence a block).
     attn_impl: paged attention implementation: "auto" (the Pallas kernel on GPU, XLA
         elsewhere), "xla", "reference", "pallas", or "pallas_interpret" (the kernel in Pallas
@@ -28,6 +31,8 @@ class EngineConfig:
     kv_cache_dtype: what the KV pool stores: "auto" (the model dtype), "int8" or "fp8_e4m3"
         (8-bit entries plus one bfloat16 scale per token and KV head: ~1.9x the tokens of a
         bfloat16 pool in the same bytes; see ``pallas_kernels.kv_quant``).
+    kv_cache_memory: the pool's size as memory instead of ``num_pages``, per device: an amount
+        ("2GiB", "512MB", bytes) or a fraction of the device's free memory ("0.8"; accelerators).
     enable_prefix_caching: reuse full KV pages of identical prompt prefixes across requests.
     aging_steps: a waiting request's priority improves by one every this many steps (0 = no
         aging: strict priority, FCFS within a priority).
@@ -46,13 +51,14 @@ class EngineConfig:
 
     max_slots: int = 8
     page_size: int = 16
-    num_pages: int = 512
+    num_pages: int | None = None
     max_num_batched_tokens: int = 256
-    max_seq_len: int = 2048
+    max_seq_len: int | None = None
     dtype: str = "float32"
     block_q: int = 16
     attn_impl: str = "auto"
     kv_cache_dtype: str = "auto"
+    kv_cache_memory: str | None = None
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
     aging_steps: int = 64
@@ -75,6 +81,8 @@ class EngineConfig:
             "dp",
         ):
             value = getattr(self, name)
+            if value is None and name in ("num_pages", "max_seq_len"):
+                continue  # resolved from the model / the memory budget (engine/sizing.py)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(self.aging_steps, int) or self.aging_steps < 0:
@@ -97,7 +105,14 @@ class EngineConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                 f"block_q={self.block_q} so a prompt chunk fits in a step"
             )
-        if self.num_pages * self.page_size < self.max_seq_len:
+        if self.kv_cache_memory is not None:
+            if self.num_pages is not None:
+                raise ValueError(
+                    f"give num_pages={self.num_pages} or kv_cache_memory="
+                    f"{self.kv_cache_memory!r}, not both"
+                )
+            parse_memory(self.kv_cache_memory)
+        if self.is_resolved and self.num_pages * self.page_size < self.max_seq_len:
             raise ValueError(
                 f"the KV pool (num_pages={self.num_pages} x page_size={self.page_size} tokens) "
                 f"cannot hold one sequence of max_seq_len={self.max_seq_len}"
@@ -118,5 +133,12 @@ class EngineConfig:
         return storage_dtype(self.kv_cache_dtype, self.dtype)
 
     @property
+    def is_resolved(self) -> bool:
+        """Whether every size is concrete (see :func:`jbatch.engine.sizing.resolve`)."""
+        return self.num_pages is not None and self.max_seq_len is not None
+
+    @property
     def max_pages_per_seq(self) -> int:
+        if self.max_seq_len is None:
+            raise ValueError("max_seq_len is not resolved yet (jbatch.engine.sizing.resolve)")
         return -(-self.max_seq_len // self.page_size)

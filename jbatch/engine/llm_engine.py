@@ -36,6 +36,7 @@ from jbatch.engine.engine_core import EngineCore
 from jbatch.engine.interface import EngineStats, StepFailed
 from jbatch.engine.request import Request, RequestStatus
 from jbatch.engine.scheduler import Scheduler, SchedulerOutput
+from jbatch.engine.sizing import resolve
 from jbatch.models.config import ModelConfig
 from jbatch.models.llama import unstack_layers
 from jbatch.models.quant import ensure_quantized
@@ -65,7 +66,9 @@ class LLMEngine:
         warmup: bool = True,
         core=None,
     ):
-        """``core`` replaces the jitted device functions (tests pass a ``MockCore``)."""
+        """``core`` replaces the jitted device functions (tests pass a ``MockCore``). Sizes left
+        open in ``cfg`` are taken from the model (:func:`jbatch.engine.sizing.resolve`)."""
+        cfg = resolve(cfg, model_cfg)
         self.model_cfg, self.cfg, self.tokenizer = model_cfg, cfg, tokenizer
         self.eos_ids = frozenset(eos_token_ids)
         self.core = EngineCore(model_cfg, cfg) if core is None else core

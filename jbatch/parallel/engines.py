@@ -9,6 +9,7 @@ from pathlib import Path
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.engine_core import EngineCore
 from jbatch.engine.llm_engine import LLMEngine
+from jbatch.engine.sizing import resolve
 from jbatch.models.config import ModelConfig
 from jbatch.models.quant import ensure_quantized
 from jbatch.parallel.loading import load_params_sharded
@@ -38,6 +39,7 @@ def build_engines(
     if (model_dir is None) == (params is None):
         raise ValueError("pass exactly one of model_dir and params")
     kv_replication(model_cfg, cfg.tp)  # heads before devices: the more useful error first
+    cfg = resolve(cfg, model_cfg)  # sizes from the checkpoint's config, before sharding it
     mesh = make_mesh(cfg.tp, cfg.dp, devices)
     scfg = sharded_model_config(model_cfg, cfg.tp)
     engines = []
