@@ -84,13 +84,14 @@ VARIANTS = {
             pad_token_id=0,
         ),
     ),
-    # Fused qkv/gate_up, partial rotary, LongRoPE (sequences here stay inside the original
+    # Fused qkv/gate_up, partial rotary, a window on every layer, LongRoPE (sequences here stay inside the original
     # window, where HF uses the short factors; tests/test_rope.py checks the long ones).
     "phi3": (
         "Phi3Config",
         "Phi3ForCausalLM",
         dict(
             max_position_embeddings=512, original_max_position_embeddings=256, pad_token_id=0,
+            sliding_window=24,
             rope_parameters=dict(
                 rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
                 short_factor=[1.0, 1.3, 1.9, 2.5], long_factor=[1.1, 2.0, 4.0, 8.0],

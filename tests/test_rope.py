@@ -98,6 +98,11 @@ def test_gemma3_legacy_config_fields():
     assert cfg.tie_word_embeddings and cfg.norm_offset == 1.0 and cfg.qk_norm
 
 
+def test_phi3_windows_every_layer_when_configured():
+    hf_cfg, _ = hf_model("phi3", sliding_window=32)
+    assert ModelConfig.from_hf_dict(hf_cfg.to_dict()).sliding_windows == (32, 32)
+
+
 def test_multimodal_gemma3_folder_uses_its_text_config():
     text = dict(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

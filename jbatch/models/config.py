@@ -233,7 +233,8 @@ def _sliding_windows(hf: dict[str, Any], model_type: str, num_layers: int):
     window = hf.get("sliding_window")
     if model_type == "qwen3_moe" and not hf.get("use_sliding_window"):
         return (None,) * num_layers
-    if model_type in ("mistral", "mixtral", "qwen3_moe") and not hf.get("layer_types"):
+    # These families window every layer when `sliding_window` is set (Phi-3-mini: 2047).
+    if model_type in ("mistral", "mixtral", "qwen3_moe", "phi3") and not hf.get("layer_types"):
         return (window,) * num_layers
     types = _layer_types(hf, model_type, num_layers)
     if len(types) != num_layers:
