@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jbatch import EngineConfig, LLMEngine, SamplingParams
+from jbatch.engine.config import SCHEDULING_POLICIES
 from jbatch.engine.mock_core import MockCore, expected_tokens
 
 VOCAB = 97
@@ -50,6 +51,7 @@ request = st.fixed_dictionaries(
         "arrival": st.integers(0, 12),
         "priority": st.integers(0, 2),
         "abort_at": st.one_of(st.none(), st.integers(0, 30)),
+        "tenant": st.sampled_from([None, "a", "b"]),
     }
 )
 
@@ -65,10 +67,12 @@ request = st.fixed_dictionaries(
     aging=st.sampled_from([0, 3]),
     async_scheduling=st.booleans(),
     preemption=st.sampled_from(["recompute", "swap", "auto"]),
+    policy=st.sampled_from(SCHEDULING_POLICIES),
 )
 def test_random_workloads_keep_invariants_and_exact_outputs(
-    reqs, slots, page_size, spare_pages, budget, caching, aging, async_scheduling, preemption
-):
+    reqs, slots, page_size, spare_pages, budget, caching, aging, async_scheduling, preemption,
+    policy,
+):  # fmt: skip
     max_seq_len = 48
     eng = mock_engine(
         max_slots=slots,
@@ -80,6 +84,8 @@ def test_random_workloads_keep_invariants_and_exact_outputs(
         aging_steps=aging,
         async_scheduling=async_scheduling,
         preemption_mode=preemption,
+        scheduling_policy=policy,
+        tenant_weights={"a": 2.0},
     )
     rng = np.random.RandomState(0)
     prefixes = [rng.randint(3, VOCAB, n).tolist() for n in (0, 9, 22)]
@@ -93,8 +99,9 @@ def test_random_workloads_keep_invariants_and_exact_outputs(
         for i, r in enumerate(reqs):
             if r["arrival"] == step:
                 ids[i] = eng.add_request(
-                    prompts[i], params(r["max_tokens"], r["seed"]), priority=r["priority"]
-                )
+                    prompts[i], params(r["max_tokens"], r["seed"]), priority=r["priority"],
+                    tenant=r["tenant"],
+                )  # fmt: skip
             if r["abort_at"] is not None and r["abort_at"] == step and ids[i] is not None:
                 eng.abort_request(ids[i])
         eng.step()

@@ -1,4 +1,5 @@
-"""WaitingQueue: aged-priority order, FCFS ties, lazy removal, skipped entries survive."""
+"""WaitingQueue: aged-priority order, FCFS ties, lazy removal, skipped entries survive; the
+fair policy's FairQueue: band, then smallest counter, then the tenant's own order."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jbatch.engine.fair_queue import FairQueue
+from jbatch.engine.tenants import TenantLedger
 from jbatch.engine.waiting_queue import WaitingQueue
 
 
@@ -86,3 +89,42 @@ def test_double_push_and_unknown_remove_raise():
     q.remove(s)
     with pytest.raises(ValueError, match="'a' is not waiting"):
         q.remove(s)
+
+
+@dataclasses.dataclass(eq=False)
+class TSeq(Seq):
+    tenant: str = "default"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from("abcd"), st.integers(0, 2)), min_size=1, max_size=30),
+    st.lists(st.integers(0, 30), min_size=30, max_size=30),
+)
+def test_fair_queue_admits_best_band_then_smallest_counter(items, costs):
+    """Admit one at a time, charging each admitted tenant: each pick is, among backlogged
+    tenants, the best priority band, then the smallest counter (then first seen), and within
+    the tenant the best priority, then arrival."""
+    ledger = TenantLedger()
+    q = FairQueue(aging_steps=0, ledger=ledger)
+    seqs = [TSeq(f"r{i}", p, 0, i, t) for i, (t, p) in enumerate(items)]
+    for s in seqs:
+        q.push(s)
+    first_seen = {t: i for i, t in reversed(list(enumerate(t for t, _ in items)))}
+    left = list(seqs)
+    for cost in costs[: len(seqs)]:
+        band = {t: min(s.priority for s in left if s.tenant == t) for t in {s.tenant for s in left}}
+        want_tenant = min(
+            band, key=lambda t: (band[t], ledger.counter.get(t, 0.0), first_seen[t])
+        )
+        want = min(
+            (s for s in left if s.tenant == want_tenant),
+            key=lambda s: (s.priority, s.arrival_order),
+        )
+        with contextlib.closing(q.in_order()) as it:
+            got = next(it)
+            q.remove(got)
+        assert got is want
+        left.remove(got)
+        ledger.charge(got.tenant, prompt=cost)
+    assert len(q) == len(left) and {id(s) for s in q} == {id(s) for s in left}

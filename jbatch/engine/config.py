@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jbatch.engine.sizing import parse_memory
+from jbatch.engine.tenants import check_weights
 from jbatch.models.quant import WeightQuant
 from pallas_kernels import IMPLEMENTATIONS
 from pallas_kernels.kv_quant import KV_STORAGE_DTYPES, storage_dtype
@@ -12,6 +13,7 @@ from pallas_kernels.kv_quant import KV_STORAGE_DTYPES, storage_dtype
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *KV_STORAGE_DTYPES)  # "auto": the model dtype
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+SCHEDULING_POLICIES = ("priority", "fcfs", "fair")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,11 @@ class EngineConfig:
         its pages, prefill again later, mostly from the prefix cache), "swap" (copy its pages
         to host RAM and back), or "auto" (swap when recomputing would take more than one full
         step's token budget).
+    scheduling_policy: who is admitted and who is evicted (``jbatch/engine/policies.py``):
+        "priority" (priority with aging, FCFS within a priority), "fcfs" (arrival order only) or
+        "fair" (fair share between tenants: virtual token counters, priority bands first).
+    tenant_weights: (tenant, weight) pairs (a dict is accepted): a tenant's share under
+        "fair" is proportional to its weight (default 1). CLI: ``--tenant-weights FILE`` (JSON).
     debug_checks: verify the scheduler's page and slot invariants after every step (slow).
     quantization: weight-only quantization of every linear layer, done at load time: None (the
         checkpoint's weights in ``dtype``) or "int8" (per-output-channel symmetric scales).
@@ -63,6 +70,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     aging_steps: int = 64
     preemption_mode: str = "recompute"
+    scheduling_policy: str = "priority"
+    tenant_weights: tuple[tuple[str, float], ...] = ()
     debug_checks: bool = False
     quantization: str | None = None
     quantize_lm_head: bool = False
@@ -91,6 +100,12 @@ class EngineConfig:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
             )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        object.__setattr__(self, "tenant_weights", check_weights(self.tenant_weights))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         self.weight_quant  # noqa: B018 (validates quantization and quantize_lm_head)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from jbatch.engine.config import EngineConfig
+from jbatch.engine.tenants import TenantStats
 from jbatch.models.config import ModelConfig
 from jbatch.outputs import OutputKind, RequestOutput
 from jbatch.sampling_params import SamplingParams
@@ -43,6 +44,8 @@ class EngineStats:
     busy_slots_while_queued: int  # busy slots summed over those steps
     host_seconds: float  # wall time in ``step()``, device waits included
     device_wait_seconds: float  # time ``step()`` blocked on device results
+    # Per tenant (every tenant seen since the scheduler was built): served tokens, queue, slots.
+    tenants: dict[str, TenantStats] = dataclasses.field(default_factory=dict)
 
     @property
     def host_only_seconds(self) -> float:
@@ -56,9 +59,14 @@ class EngineStats:
 
     @classmethod
     def total(cls, parts: Sequence[EngineStats]) -> EngineStats:
-        """Field-wise sum (replicas behind one router)."""
-        fields = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{name: sum(getattr(p, name) for p in parts) for name in fields})
+        """Field-wise sum (replicas behind one router); tenants are summed tenant by tenant."""
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "tenants"]
+        tenants: dict[str, TenantStats] = {}
+        for part in parts:
+            for name, t in part.tenants.items():
+                tenants[name] = tenants[name] + t if name in tenants else t
+        summed = {name: sum(getattr(p, name) for p in parts) for name in fields}
+        return cls(**summed, tenants=tenants)
 
 
 class StepFailed(RuntimeError):
@@ -86,8 +94,10 @@ class EngineClient(Protocol):
         priority: int = 0,
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.DELTA,
+        tenant: str | None = None,
     ) -> str:
-        """Validate and queue a request (``ValueError`` naming the bad field); its id."""
+        """Validate and queue a request (``ValueError`` naming the bad field); its id.
+        ``tenant``: who it belongs to (None: ``"default"``; see ``jbatch/engine/tenants.py``)."""
         ...
 
     def abort_request(self, request_id: str) -> None:

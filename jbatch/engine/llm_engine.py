@@ -37,6 +37,7 @@ from jbatch.engine.interface import EngineStats, StepFailed
 from jbatch.engine.request import Request, RequestStatus
 from jbatch.engine.scheduler import Scheduler, SchedulerOutput
 from jbatch.engine.sizing import resolve
+from jbatch.engine.tenants import check_tenant
 from jbatch.models.config import ModelConfig
 from jbatch.models.llama import unstack_layers
 from jbatch.models.quant import ensure_quantized
@@ -96,12 +97,15 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.DELTA,
+        tenant: str | None = None,
     ) -> str:
         """Validate and queue a request; raises ValueError naming the bad field and value.
-        ``output_kind``: stream deltas every step (DELTA) or one whole output at the end."""
+        ``output_kind``: stream deltas every step (DELTA) or one whole output at the end.
+        ``tenant``: who the request belongs to (None: ``"default"``), for fair share."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        tenant = check_tenant(tenant)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -135,6 +139,7 @@ class LLMEngine:
             prompt=prompt_text,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
+            tenant=tenant,
             detokenizer=detok,
             output_kind=OutputKind(output_kind),
         )
@@ -330,12 +335,16 @@ class LLMEngine:
             **{name: c[name] for name in _COUNTERS},
             host_seconds=c["host_seconds"],
             device_wait_seconds=c["device_wait_seconds"],
+            tenants=sched.ledger.snapshot(s.tenant for s in sched.running.values()),
         )
 
-    POLICY_FIELDS = ("enable_prefix_caching", "aging_steps", "preemption_mode")
+    POLICY_FIELDS = (
+        "enable_prefix_caching", "aging_steps", "preemption_mode", "scheduling_policy",
+        "tenant_weights",
+    )  # fmt: skip
 
     def set_policies(self, **policies) -> None:
-        """Change scheduling policies (prefix caching, aging, preemption mode) while idle; the
+        """Change scheduling policies (``POLICY_FIELDS``) while idle; the
         compiled programs are unchanged. A fresh scheduler starts with an empty prefix cache."""
         bad = sorted(set(policies) - set(self.POLICY_FIELDS))
         if bad:

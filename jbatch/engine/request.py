@@ -7,6 +7,7 @@ import enum
 
 from jbatch.engine.page_allocator import chain_hash
 from jbatch.engine.state import decodes
+from jbatch.engine.tenants import DEFAULT_TENANT
 from jbatch.outputs import OutputKind
 from jbatch.sampling_params import SamplingParams
 from jbatch.tokenizer import IncrementalDetokenizer
@@ -33,6 +34,7 @@ class Request:
     prompt: str | None = None
     arrival_time: float = 0.0
     priority: int = 0
+    tenant: str = DEFAULT_TENANT  # who the request belongs to (tenants.py; fair share)
     detokenizer: IncrementalDetokenizer | None = None
     output_kind: OutputKind = OutputKind.DELTA
 

@@ -13,6 +13,10 @@ Per step, in this order:
    first), FCFS within a priority; a preempted sequence keeps its place (a heap:
    ``waiting_queue.py``). Full prompt pages already in the prefix cache are reused, not
    recomputed; the rest is prefilled in chunks, so a long prompt never blocks decodes.
+
+The admission and eviction orders above are the ``priority`` policy; ``policies.py`` holds the
+others (``fcfs``, ``fair``). Whatever the policy, each tenant's service is charged to a
+``TenantLedger`` as it is scheduled (prompt tokens per chunk, one output token per sample).
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import dataclasses
 from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.page_allocator import PageAllocator
+from jbatch.engine.policies import VictimOrder, waiting_queue
 from jbatch.engine.request import Request, RequestStatus
-from jbatch.engine.waiting_queue import WaitingQueue
+from jbatch.engine.tenants import TenantLedger
 
 
 @dataclasses.dataclass
@@ -63,7 +68,9 @@ class Scheduler:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.allocator = PageAllocator(cfg.num_pages, cfg.enable_prefix_caching)
-        self.waiting = WaitingQueue(cfg.aging_steps)
+        self.ledger = TenantLedger(cfg.tenant_weights)
+        self.waiting = waiting_queue(cfg, self.ledger)
+        self.victim_order = VictimOrder(cfg.scheduling_policy, self.ledger)
         self.running: dict[int, Request] = {}  # slot -> sequence
         self.free_slots: list[int] = list(range(cfg.max_slots))
         self.pending_releases: list[int] = []  # slots of finished sequences, to retire on device
@@ -135,14 +142,13 @@ class Scheduler:
             seq.pages.append(page)
         return True
 
-    @staticmethod
-    def _victim_key(seq: Request) -> tuple[int, int]:
-        return seq.priority, seq.admitted_at
+    def _victim_key(self, seq: Request) -> tuple:
+        return self.victim_order.key(seq)
 
     def _victim(self) -> Request:
-        """Lowest priority (largest number) first, then the most recently admitted. Running
-        sequences are scheduled in the opposite order, so a victim is never one this step has
-        already scheduled."""
+        """The policy's first victim (``priority``: lowest priority, i.e. largest number, then
+        the most recently admitted). Running sequences are scheduled in the opposite order, so a
+        victim is never one this step has already scheduled."""
         return max(self.running.values(), key=self._victim_key)
 
     # ---- prefix cache --------------------------------------------------------------------------
@@ -170,6 +176,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
         out = SchedulerOutput()
+        self.victim_order.begin_step(list(self.running.values()))
         self._schedule_decodes(out)
         budget = self.cfg.max_num_batched_tokens - len(out.decodes)
         rows = buckets.prefill_buckets(self.cfg)[-1]
@@ -183,6 +190,7 @@ class Scheduler:
     def break_deadlock(self) -> None:
         """Called when a step schedules nothing and nothing is in flight: running prompts are
         stuck without pages. Preempting the most recent one lets the older ones finish."""
+        self.victim_order.begin_step(list(self.running.values()))
         self._preempt(self._victim())
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
@@ -200,6 +208,7 @@ class Scheduler:
                 seq.num_computed += 1
                 seq.num_sampled += 1
                 seq.inflight += 1
+                self.ledger.charge(seq.tenant, output=1)
 
     def _schedule_chunk(self, seq: Request, budget: int, rows: int, out: SchedulerOutput):
         bq, page = self.cfg.block_q, self.cfg.page_size
@@ -213,6 +222,7 @@ class Scheduler:
         chunk = Chunk(seq, start, seq.prefill_ids[start : start + n])
         out.chunks.append(chunk)
         seq.num_computed += n
+        self.ledger.charge(seq.tenant, prompt=n, output=int(chunk.completes_prompt))
         if seq.first_scheduled_step is None:
             seq.first_scheduled_step = self.num_steps
         self._register_full_pages(seq, seq.num_computed)

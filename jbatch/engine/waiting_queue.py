@@ -8,6 +8,8 @@ order. Admission looks at the head only, so a step costs O(admitted · log n), n
 whole queue — a 10 000-request backlog schedules as fast as an empty one.
 
 Removal (abort, admission) is lazy: the heap entry is marked dead and skipped when popped.
+``by_priority=False`` (the ``fcfs`` policy) ignores priorities: arrival order only. A ``ledger``
+(``tenants.TenantLedger``) is told each tenant's number of waiting requests.
 """
 
 from __future__ import annotations
@@ -16,15 +18,21 @@ import heapq
 from collections.abc import Iterator
 
 from jbatch.engine.request import Request
+from jbatch.engine.tenants import TenantLedger
 
 
 class WaitingQueue:
-    def __init__(self, aging_steps: int):
+    def __init__(
+        self, aging_steps: int, by_priority: bool = True, ledger: TenantLedger | None = None
+    ):
         self.aging_steps = aging_steps
+        self.by_priority, self.ledger = by_priority, ledger
         self._heap: list[list] = []  # [key, arrival_order, seq, alive]
         self._entries: dict[int, list] = {}  # id(seq) -> its live heap entry
 
     def _key(self, seq: Request) -> int:
+        if not self.by_priority:
+            return 0
         if self.aging_steps:
             return seq.priority * self.aging_steps + seq.waiting_since
         return seq.priority
@@ -35,12 +43,16 @@ class WaitingQueue:
         entry = [self._key(seq), seq.arrival_order, seq, True]
         self._entries[id(seq)] = entry
         heapq.heappush(self._heap, entry)
+        if self.ledger is not None:
+            self.ledger.count_waiting(seq.tenant, 1)
 
     def remove(self, seq: Request) -> None:
         entry = self._entries.pop(id(seq), None)
         if entry is None:
             raise ValueError(f"request {seq.request_id!r} is not waiting")
         entry[3] = False
+        if self.ledger is not None:
+            self.ledger.count_waiting(seq.tenant, -1)
         if len(self._heap) > 64 and len(self._heap) > 2 * len(self._entries):
             self._heap = [e for e in self._heap if e[3]]  # drop dead entries
             heapq.heapify(self._heap)

@@ -64,13 +64,14 @@ class ReplicaRouter:
         priority: int = 0,
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.DELTA,
+        tenant: str | None = None,
     ) -> str:
         request_id = f"r{next(self._ids)}" if request_id is None else str(request_id)
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
         i = self.pick_replica()
         rid = self.engines[i].add_request(
-            prompt, params, request_id, priority, arrival_time, output_kind
+            prompt, params, request_id, priority, arrival_time, output_kind, tenant
         )
         self._owner[rid] = i
         self.routed[i] += 1

@@ -1,0 +1,152 @@
+"""FairQueue: the waiting queue of the ``fair`` scheduling policy (a virtual token counter).
+
+Each tenant has its own :class:`WaitingQueue` (priority with aging, then arrival — the order of
+the ``priority`` policy, within the tenant). Across tenants the next request comes from the
+*backlogged* tenant (one with a waiting request) whose best request has the best priority
+**band** (its ``priority`` number: lower first), and within a band from the tenant with the
+smallest virtual token counter (``tenants.TenantLedger``; ties: the tenant seen first). So
+priorities are strict across tenants and fairness holds among tenants of the same band; aging
+applies within a tenant only.
+
+A tenant that becomes backlogged again (its first waiting request after an idle spell) has its
+counter lifted to the smallest counter of the backlogged tenants (to that of the last tenant
+that left the backlog when none is): idle time earns no burst credit.
+
+Two heaps over backlogged tenants — (band, counter) for admission and (counter) for the lift —
+are updated lazily: an entry carries its tenant's version; charges mark tenants dirty and each
+dirty tenant is re-pushed once before the next look. One admission costs O(log tenants).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+from collections import Counter
+from collections.abc import Iterator
+
+from jbatch.engine.request import Request
+from jbatch.engine.tenants import TenantLedger
+from jbatch.engine.waiting_queue import WaitingQueue
+
+
+class FairQueue:
+    def __init__(self, aging_steps: int, ledger: TenantLedger):
+        self.aging_steps, self.ledger = aging_steps, ledger
+        self._queues: dict[str, WaitingQueue] = {}  # backlogged tenants only
+        self._bands: dict[str, Counter] = {}  # tenant -> priority -> waiting requests
+        self._version: dict[str, int] = {}
+        self._order: dict[str, int] = {}  # tie-break: the order tenants were first seen
+        self._admit_heap: list[tuple] = []  # (band, counter, order, version, tenant)
+        self._min_heap: list[tuple] = []  # (counter, order, version, tenant)
+        self._floor = 0.0  # counter of the last tenant that left the backlog
+        self._len = 0
+
+    # ---- the heaps -----------------------------------------------------------------------------
+    def _push(self, tenant: str) -> None:
+        """Push fresh heap entries for a backlogged ``tenant`` (older ones go stale)."""
+        version = self._version[tenant] = self._version.get(tenant, 0) + 1
+        counter, order = self.ledger.counter.get(tenant, 0.0), self._order[tenant]
+        band = min(self._bands[tenant])
+        heapq.heappush(self._admit_heap, (band, counter, order, version, tenant))
+        heapq.heappush(self._min_heap, (counter, order, version, tenant))
+        if len(self._admit_heap) > 64 + 4 * len(self._queues):
+            self._compact()
+
+    def _valid(self, entry: tuple) -> bool:
+        tenant = entry[-1]
+        return tenant in self._queues and self._version[tenant] == entry[-2]
+
+    def _compact(self) -> None:
+        self._admit_heap = [e for e in self._admit_heap if self._valid(e)]
+        self._min_heap = [e for e in self._min_heap if self._valid(e)]
+        heapq.heapify(self._admit_heap)
+        heapq.heapify(self._min_heap)
+
+    def _refresh(self) -> None:
+        dirty, self.ledger.dirty = self.ledger.dirty, set()
+        for tenant in dirty:
+            if tenant in self._queues:
+                self._push(tenant)
+
+    def _top(self, heap: list[tuple]) -> tuple | None:
+        self._refresh()
+        while heap and not self._valid(heap[0]):
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def min_counter(self) -> float | None:
+        """The smallest counter of the backlogged tenants (None: nobody is backlogged)."""
+        top = self._top(self._min_heap)
+        return None if top is None else top[0]
+
+    # ---- the queue (same interface as WaitingQueue) --------------------------------------------
+    def push(self, seq: Request) -> None:
+        tenant = seq.tenant
+        queue = self._queues.get(tenant)
+        if queue is None:  # back from idle: no credit for the time away
+            floor = self.min_counter()
+            self.ledger.lift(tenant, self._floor if floor is None else floor)
+            queue = self._queues[tenant] = WaitingQueue(self.aging_steps)
+            self._bands[tenant] = Counter()
+            self._order.setdefault(tenant, len(self._order))
+        queue.push(seq)
+        self._bands[tenant][seq.priority] += 1
+        self._len += 1
+        self.ledger.count_waiting(tenant, 1)
+        self._push(tenant)
+
+    def remove(self, seq: Request) -> None:
+        tenant = seq.tenant
+        queue = self._queues.get(tenant)
+        if queue is None or seq not in queue:
+            raise ValueError(f"request {seq.request_id!r} is not waiting")
+        queue.remove(seq)
+        band = self._bands[tenant]
+        band[seq.priority] -= 1
+        if not band[seq.priority]:
+            del band[seq.priority]
+        self._len -= 1
+        self.ledger.count_waiting(tenant, -1)
+        if queue:
+            self._push(tenant)
+        else:  # leaves the backlog; its heap entries go stale
+            del self._queues[tenant], self._bands[tenant]
+            self._floor = self.ledger.counter.get(tenant, 0.0)
+
+    def in_order(self) -> Iterator[Request]:
+        """Yield waiting sequences in admission order, re-deciding after each one (an admitted
+        sequence's first chunk moves its tenant's counter). The caller may ``remove`` what it
+        admits; close the iterator (``contextlib.closing``) when done."""
+        tenants: dict[str, Iterator[Request]] = {}
+        parked = []  # entries of tenants with nothing more to offer in this pass
+        with contextlib.ExitStack() as stack:
+            try:
+                while (entry := self._top(self._admit_heap)) is not None:
+                    tenant = entry[-1]
+                    it = tenants.get(tenant)
+                    if it is None:
+                        it = tenants[tenant] = self._queues[tenant].in_order()
+                        stack.enter_context(contextlib.closing(it))
+                    seq = next(it, None)
+                    if seq is None:
+                        parked.append(heapq.heappop(self._admit_heap))
+                        continue
+                    yield seq
+            finally:
+                for entry in parked:
+                    if self._valid(entry):
+                        heapq.heappush(self._admit_heap, entry)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return bool(self._len)
+
+    def __iter__(self) -> Iterator[Request]:
+        """Every waiting sequence, tenant by tenant (bookkeeping, not per step)."""
+        return iter([seq for queue in self._queues.values() for seq in queue])
+
+    def __contains__(self, seq: Request) -> bool:
+        queue = self._queues.get(seq.tenant)
+        return queue is not None and seq in queue
