@@ -13,15 +13,26 @@ import sys
 import time
 
 from jbatch.engine.config import EngineConfig
+from jbatch.engine.tenants import load_tenant_weights
 from jbatch.sampling_params import SamplingParams
 from jbatch.sampling_surfaces import surface_fields
+
+
+def _tenant_weights_file(path: str):
+    try:
+        return load_tenant_weights(path)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine (EngineConfig fields)")
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
-        if field.type in ("bool", bool):
+        if field.name == "tenant_weights":
+            help_ = "FILE: a JSON object tenant -> weight (fair share; default: all 1)"
+            group.add_argument(flag, type=_tenant_weights_file, default=(), help=help_)
+        elif field.type in ("bool", bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
         else:
             kind = int if str(field.type).startswith("int") else str

@@ -42,8 +42,9 @@ def build_request(
     params: SamplingParams | None = None,
     request_id: str = "",
     priority: int = 0,
+    tenant: str = "",
 ) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(request_id=request_id, priority=priority)
+    req = pb.GenerateRequest(request_id=request_id, priority=priority, tenant=tenant)
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -81,11 +82,12 @@ class GenerationClient:
         *,
         request_id: str = "",
         priority: int = 0,
+        tenant: str = "",
         timeout: float | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream responses; raises grpc.aio.AioRpcError on a non-OK status. Leaving the loop
         early cancels the call (the server aborts the request)."""
-        request = build_request(prompt, params, request_id, priority)
+        request = build_request(prompt, params, request_id, priority, tenant)
         call = self.stub.Generate(request, timeout=timeout)
         try:
             async for resp in call:

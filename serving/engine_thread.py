@@ -119,6 +119,7 @@ class _Add:
     params: SamplingParams
     priority: int
     arrival: float
+    tenant: str | None = None
 
 
 @dataclasses.dataclass
@@ -189,7 +190,11 @@ class EngineThread:
         return self._outstanding
 
     def submit(
-        self, prompt: str | Sequence[int], params: SamplingParams, priority: int = 0
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> RequestStream:
         """Queue a request (call from a coroutine: the stream lives on the running loop).
 
@@ -212,7 +217,7 @@ class EngineThread:
             prompt = prompt if isinstance(prompt, str) else list(prompt)
             # Put under the lock: the engine thread's exit takes the lock before its last look
             # at the inbox, so an accepted request is always answered.
-            self._inbox.put(_Add(stream, prompt, params, priority, time.monotonic()))
+            self._inbox.put(_Add(stream, prompt, params, priority, time.monotonic(), tenant))
         return stream
 
     def abort(self, request_id: str, outcome: str = "cancelled") -> None:
@@ -298,7 +303,7 @@ class EngineThread:
         try:
             self.engine.add_request(
                 cmd.prompt, cmd.params, request_id=rid, priority=cmd.priority,
-                arrival_time=cmd.arrival,
+                arrival_time=cmd.arrival, tenant=cmd.tenant,
             )  # fmt: skip
         except ValueError as e:
             self._fail(cmd.stream, ServingError(Status.INVALID_ARGUMENT, str(e)))

@@ -16,6 +16,7 @@ from serving.errors import ServingError, Status
 from serving.proto.jbatch.v1 import generation_pb2 as pb
 from serving.proto.jbatch.v1 import generation_pb2_grpc as pb_grpc
 from serving.sampling_proto import sampling_params_from_proto
+from serving.tenant import grpc_tenant
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 prompt = await ctx.encode_prompt(request.text)
             else:
                 prompt = list(request.token_ids.ids)
-            stream = thread.submit(prompt, params, request.priority)
+            tenant = grpc_tenant(context.invocation_metadata(), request.tenant)
+            stream = thread.submit(prompt, params, request.priority, tenant=tenant)
         except ValueError as e:
             ctx.metrics.outcome(Status.INVALID_ARGUMENT.label)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -29,6 +29,7 @@ from serving.chat_template import render_chat
 from serving.context import ServingContext
 from serving.engine_thread import Delta, RequestStream
 from serving.errors import ServingError, Status
+from serving.tenant import http_tenant
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is there
 
@@ -43,6 +44,7 @@ class _RequestFields(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     priority: int = 0
+    user: str | None = None  # OpenAI's end-user id: the tenant (the X-Tenant-Id header wins)
 
     sampling_fields: ClassVar[tuple[SurfaceField, ...]] = ()
     params_cls: ClassVar[type[SamplingParams]] = SamplingParams
@@ -195,7 +197,8 @@ async def _generate(
         thread = ctx.engine_thread_or_raise()
         if isinstance(prompt, str):
             prompt = await ctx.encode_prompt(prompt)  # the engine thread gets token ids only
-        stream = thread.submit(prompt, params, req.priority)
+        tenant = http_tenant(raw.headers, req.user)
+        stream = thread.submit(prompt, params, req.priority, tenant=tenant)
     except ValueError as e:
         return _fail(ctx, Status.INVALID_ARGUMENT, str(e))
     except ServingError as e:

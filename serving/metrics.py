@@ -11,7 +11,9 @@ Exported (all prefixed ``jbatch_``):
 * counters ``preemptions_total`` and ``requests_total{status, finish_reason}`` — status ``ok``
   (finish_reason stop / length / abort), ``cancelled`` (client went away) or an error status
   (``invalid_argument``, ``resource_exhausted``, ``deadline_exceeded``, ``unavailable``,
-  ``internal``; finish_reason empty).
+  ``internal``; finish_reason empty);
+* per tenant (``tenant_metrics.py``: top N tenants + ``other``): ``tenant_prompt_tokens_total``,
+  ``tenant_output_tokens_total``, ``tenant_queue_depth``, ``tenant_running_slots``.
 
 Histograms and counters are updated by whichever thread sees the event (prometheus-client is
 thread-safe); gauges only by the engine thread, from ``observe_engine`` after each step.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import prometheus_client as prom
 
 from jbatch.engine.interface import EngineStats
+from serving.tenant_metrics import TenantCollector
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -29,9 +32,11 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 class ServingMetrics:
     """The metric objects plus the small amount of state needed to update them."""
 
-    def __init__(self, registry: prom.CollectorRegistry | None = None):
+    def __init__(self, registry: prom.CollectorRegistry | None = None, max_tenants: int = 16):
         self.registry = registry or prom.CollectorRegistry()
         r = self.registry
+        self.tenants = TenantCollector(max_tenants)
+        r.register(self.tenants)
         self.ttft = prom.Histogram(
             "jbatch_time_to_first_token_seconds",
             "Arrival to first streamed token.",
@@ -87,6 +92,7 @@ class ServingMetrics:
         self.pages_used.set(stats.pages_used)
         self.pages_total.set(stats.pages_total)
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        self.tenants.update(stats.tenants)
         # The engine's count restarts when its scheduler is rebuilt after a fault.
         total = stats.preemptions
         if total < self._last_preemptions:

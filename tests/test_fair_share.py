@@ -206,3 +206,13 @@ def test_bad_policy_and_weights_are_refused(tmp_path):
         load_tenant_weights(str(path))
     path.write_text('{"A": 2, "B": 0.5}')
     assert load_tenant_weights(str(path)) == (("A", 2.0), ("B", 0.5))
+
+
+def test_tenant_label_cardinality_is_capped_top_n_plus_other():
+    from jbatch.engine.tenants import TenantStats
+    from serving.tenant_metrics import capped
+
+    tenants = {f"t{i}": TenantStats(prompt_tokens=i, running=1) for i in range(50)}
+    out = capped(tenants, 3)
+    assert list(out) == ["t49", "t48", "t47", "other"]  # the most served keep their label
+    assert out["other"].prompt_tokens == sum(range(47)) and out["other"].running == 47

@@ -390,9 +390,9 @@ def test_front_ends_tokenize_text_prompts(served, monkeypatch):
     submitted = []
     real_submit = served.thread.submit
 
-    def recording_submit(prompt, params, priority=0):
+    def recording_submit(prompt, params, priority=0, tenant=None):
         submitted.append(prompt)
-        return real_submit(prompt, params, priority)
+        return real_submit(prompt, params, priority, tenant)
 
     monkeypatch.setattr(served.thread, "submit", recording_submit)
     (text, params), ref = served.cases[0]
@@ -608,3 +608,35 @@ def test_metrics_endpoint(served):
         ln for ln in text.splitlines() if ln.startswith("jbatch_time_to_first_token_seconds_count")
     ]
     assert float(ttft[0].split()[-1]) > 0
+
+
+# ---- tenants (fair share) -----------------------------------------------------------------------
+def test_tenant_reaches_the_engine_from_both_front_ends_and_is_validated(served):
+    """HTTP: X-Tenant-Id header, else the OpenAI ``user`` field; gRPC: x-tenant-id metadata,
+    else the ``tenant`` field; none -> "default". Per-tenant series appear in /metrics."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    url = served.http + "/v1/completions"
+    assert httpx.post(url, json={**body, "user": "u-http"}, timeout=30).status_code == 200
+    hdr = {"X-Tenant-Id": "h-http"}
+    r = httpx.post(url, json={**body, "user": "u-lost"}, headers=hdr, timeout=30)
+    assert r.status_code == 200
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        req = build_request([5, 6, 7], GREEDY.replace(max_tokens=3), tenant="g-field")
+        list(stub.Generate(req, timeout=30))
+        req = build_request([5, 6, 7], GREEDY.replace(max_tokens=3), tenant="g-lost")
+        list(stub.Generate(req, metadata=[("x-tenant-id", "g-meta")], timeout=30))
+    tenants = served.thread.call(lambda e: e.stats().tenants).result(10)
+    for name in ("u-http", "h-http", "g-field", "g-meta"):
+        assert tenants[name].output_tokens == 3 and tenants[name].prompt_tokens == 3, name
+    assert not {"u-lost", "g-lost"} & set(tenants)
+    r = httpx.post(url, json=body, headers={"X-Tenant-Id": "a b"}, timeout=30)
+    assert r.status_code == 400 and "X-Tenant-Id" in r.json()["error"]["message"]
+    r = httpx.post(url, json={**body, "user": "x" * 200}, timeout=30)
+    assert r.status_code == 400 and "user" in r.json()["error"]["message"]
+    err = _grpc_error(served.grpc_target, build_request([5], tenant="bad tenant"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "tenant" in err.details()
+    text = httpx.get(served.http + "/metrics").text
+    assert 'jbatch_tenant_output_tokens_total{tenant="g-meta"} 3.0' in text
+    assert 'jbatch_tenant_queue_depth{tenant="u-http"} 0.0' in text
+    assert_drained(served)

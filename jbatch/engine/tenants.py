@@ -100,7 +100,8 @@ class TenantStats:
 
 class TenantLedger:
     """Per-tenant service and virtual token counters of one scheduler. ``dirty`` collects the
-    tenants whose counter moved since the fair queue last looked."""
+    tenants whose counter moved since the fair queue last looked; ``_changed`` those whose
+    figures moved since the last :meth:`snapshot` (which rebuilds only those: O(changed))."""
 
     def __init__(self, weights: Iterable[tuple[str, float]] = ()):
         self.weights = dict(weights)
@@ -109,6 +110,9 @@ class TenantLedger:
         self.output_tokens: dict[str, int] = {}
         self.waiting: dict[str, int] = {}
         self.dirty: set[str] = set()
+        self._changed: set[str] = set()
+        self._slots: dict[str, int] = {}  # running requests per tenant, as of the last snapshot
+        self._stats: dict[str, TenantStats] = {}
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, 1.0)
@@ -119,29 +123,33 @@ class TenantLedger:
         cost = (W_IN * prompt + W_OUT * output) / self.weight(tenant)
         self.counter[tenant] = self.counter.get(tenant, 0.0) + cost
         self.dirty.add(tenant)
+        self._changed.add(tenant)
 
     def lift(self, tenant: str, floor: float) -> None:
         """No credit for idle time: raise ``tenant``'s counter to at least ``floor``."""
         if self.counter.get(tenant, 0.0) < floor:
             self.counter[tenant] = floor
             self.dirty.add(tenant)
+            self._changed.add(tenant)
 
     def count_waiting(self, tenant: str, delta: int) -> None:
         self.waiting[tenant] = self.waiting.get(tenant, 0) + delta
+        self._changed.add(tenant)
 
     def snapshot(self, running: Iterable[str]) -> dict[str, TenantStats]:
         """Every tenant seen so far; ``running``: the tenant of each running request."""
         slots: dict[str, int] = {}
         for tenant in running:
             slots[tenant] = slots.get(tenant, 0) + 1
-        names = set(self.counter) | set(self.waiting) | set(slots)
-        return {
-            t: TenantStats(
+        changed = self._changed | {t for t in slots.keys() | self._slots.keys()
+                                   if slots.get(t) != self._slots.get(t)}  # fmt: skip
+        self._slots, self._changed = slots, set()
+        for t in changed:
+            self._stats[t] = TenantStats(
                 self.prompt_tokens.get(t, 0),
                 self.output_tokens.get(t, 0),
                 self.waiting.get(t, 0),
                 slots.get(t, 0),
                 self.counter.get(t, 0.0),
             )
-            for t in sorted(names)
-        }
+        return dict(self._stats)
