@@ -1,4 +1,5 @@
-"""Which tenant a request belongs to, read at the front ends (fair share: ``jbatch/engine/tenants.py``).
+"""Which tenant a request belongs to, read at the front ends (fair share: see
+``jbatch/engine/tenants.py``).
 
 HTTP: the ``X-Tenant-Id`` header, else the OpenAI ``user`` field. gRPC: the ``x-tenant-id``
 metadata key, else the ``tenant`` field of ``GenerateRequest``. The transport-level key wins

@@ -46,7 +46,9 @@ def engine(policy: str, weights=None, **kw) -> LLMEngine:
 
 def add(eng, rng, tenant, max_prompt=MAX_PROMPT, max_out=MAX_OUT) -> str:
     prompt = rng.randint(3, VOCAB, rng.randint(4, max_prompt + 1)).tolist()
-    p = SamplingParams(temperature=0.0, max_tokens=int(rng.randint(4, max_out + 1)), ignore_eos=True)
+    p = SamplingParams(
+        temperature=0.0, max_tokens=int(rng.randint(4, max_out + 1)), ignore_eos=True
+    )
     return eng.add_request(prompt, p, tenant=tenant)
 
 
@@ -135,7 +137,7 @@ def light_latency(policy: str) -> tuple[float, float]:
                     latencies.append(step - start.pop(rid))
                     current[t] = rid = None
                 flooding = any(not eng.requests[r].finished for r in flood_ids)
-                if rid is None and (flooding or len(latencies) < 2 * sends and not flood_ids):
+                if rid is None and (flooding or (len(latencies) < 2 * sends and not flood_ids)):
                     rid = current[t] = add(eng, rng, t, 8, 16)
                     start[rid] = step
             if not eng.has_unfinished_requests():
@@ -216,3 +218,38 @@ def test_tenant_label_cardinality_is_capped_top_n_plus_other():
     out = capped(tenants, 3)
     assert list(out) == ["t49", "t48", "t47", "other"]  # the most served keep their label
     assert out["other"].prompt_tokens == sum(range(47)) and out["other"].running == 47
+
+
+def test_fair_policy_on_a_real_model_no_recompiles_and_exact_tokens(hf_checkpoint):
+    """Three tenants (weights 2:1:1) on a tiny Llama under ``fair``: nothing compiles after
+    warm-up, every token is HF's argmax, and each tenant is charged what it was served."""
+    from jbatch import LLM
+    from tests.compile_counter import count_compiles
+    from tests.test_engine import assert_teacher_forced
+
+    path, model = hf_checkpoint("llama")
+    llm = LLM(
+        path, max_slots=4, page_size=8, num_pages=40, max_num_batched_tokens=32,
+        max_seq_len=96, block_q=16, scheduling_policy="fair", tenant_weights={"A": 2},
+        debug_checks=True,
+    )  # fmt: skip
+    eng, rng = llm.engine, np.random.RandomState(5)
+    work = {}
+    with count_compiles() as compiled:
+        for i in range(12):
+            tenant = "ABCAAB"[i % 6]
+            prompt = rng.randint(3, 300, int(rng.randint(2, 40))).tolist()
+            p = SamplingParams(temperature=0.0, max_tokens=int(rng.randint(2, 12)), ignore_eos=True)
+            work[eng.add_request(prompt, p, tenant=tenant)] = (tenant, prompt, p.max_tokens)
+        while eng.has_unfinished_requests():
+            eng.step()
+    assert compiled == [], f"compiled after warm-up: {compiled}"
+    tenants = eng.stats().tenants
+    for t in "ABC":
+        mine = [w for w in work.values() if w[0] == t]
+        assert tenants[t].output_tokens == sum(m for _, _, m in mine)
+        assert tenants[t].prompt_tokens <= sum(len(p) for _, p, _ in mine)  # cache hits are free
+    for rid, (_, prompt, max_tokens) in work.items():
+        out = eng.requests[rid].output_ids
+        assert len(out) == max_tokens
+        assert_teacher_forced(model, prompt, out)

@@ -114,9 +114,7 @@ def test_fair_queue_admits_best_band_then_smallest_counter(items, costs):
     left = list(seqs)
     for cost in costs[: len(seqs)]:
         band = {t: min(s.priority for s in left if s.tenant == t) for t in {s.tenant for s in left}}
-        want_tenant = min(
-            band, key=lambda t: (band[t], ledger.counter.get(t, 0.0), first_seen[t])
-        )
+        want_tenant = min(band, key=lambda t: (band[t], ledger.counter.get(t, 0.0), first_seen[t]))
         want = min(
             (s for s in left if s.tenant == want_tenant),
             key=lambda s: (s.priority, s.arrival_order),
