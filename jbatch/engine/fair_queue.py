@@ -13,8 +13,12 @@ counter lifted to the smallest counter of the backlogged tenants (to that of the
 that left the backlog when none is): idle time earns no burst credit.
 
 Two heaps over backlogged tenants — (band, counter) for admission and (counter) for the lift —
-are updated lazily: an entry carries its tenant's version; charges mark tenants dirty and each
-dirty tenant is re-pushed once before the next look. One admission costs O(log tenants).
+keep keys lazily: counters only grow, so an entry's key is a lower bound of its tenant's key.
+A charge costs nothing; when the top entry turns out stale it is re-pushed with the current key
+(or dropped when its tenant has left the backlog) and the next top is looked at, so the top,
+once current, is the true minimum. A new entry is pushed only when a tenant joins the backlog
+or its band improves. One admission costs O(log tenants) plus one re-push per tenant charged
+since the last look.
 """
 
 from __future__ import annotations
@@ -34,49 +38,56 @@ class FairQueue:
         self.aging_steps, self.ledger = aging_steps, ledger
         self._queues: dict[str, WaitingQueue] = {}  # backlogged tenants only
         self._bands: dict[str, Counter] = {}  # tenant -> priority -> waiting requests
-        self._version: dict[str, int] = {}
         self._order: dict[str, int] = {}  # tie-break: the order tenants were first seen
-        self._admit_heap: list[tuple] = []  # (band, counter, order, version, tenant)
-        self._min_heap: list[tuple] = []  # (counter, order, version, tenant)
+        self._admit_heap: list[tuple] = []  # (band, counter, order, tenant)
+        self._min_heap: list[tuple] = []  # (counter, order, tenant)
         self._floor = 0.0  # counter of the last tenant that left the backlog
         self._len = 0
 
     # ---- the heaps -----------------------------------------------------------------------------
+    def _key(self, tenant: str) -> tuple[int, float]:
+        return min(self._bands[tenant]), self.ledger.counter.get(tenant, 0.0)
+
     def _push(self, tenant: str) -> None:
-        """Push fresh heap entries for a backlogged ``tenant`` (older ones go stale)."""
-        version = self._version[tenant] = self._version.get(tenant, 0) + 1
-        counter, order = self.ledger.counter.get(tenant, 0.0), self._order[tenant]
-        band = min(self._bands[tenant])
-        heapq.heappush(self._admit_heap, (band, counter, order, version, tenant))
-        heapq.heappush(self._min_heap, (counter, order, version, tenant))
+        band, counter = self._key(tenant)
+        order = self._order[tenant]
+        heapq.heappush(self._admit_heap, (band, counter, order, tenant))
+        heapq.heappush(self._min_heap, (counter, order, tenant))
         if len(self._admit_heap) > 64 + 4 * len(self._queues):
             self._compact()
 
-    def _valid(self, entry: tuple) -> bool:
-        tenant = entry[-1]
-        return tenant in self._queues and self._version[tenant] == entry[-2]
-
     def _compact(self) -> None:
-        self._admit_heap = [e for e in self._admit_heap if self._valid(e)]
-        self._min_heap = [e for e in self._min_heap if self._valid(e)]
+        """One current entry per backlogged tenant in each heap."""
+        keys = {t: (self._key(t), self._order[t]) for t in self._queues}
+        self._admit_heap = [(*key, order, t) for t, (key, order) in keys.items()]
+        self._min_heap = [(key[1], order, t) for t, (key, order) in keys.items()]
         heapq.heapify(self._admit_heap)
         heapq.heapify(self._min_heap)
 
-    def _refresh(self) -> None:
-        dirty, self.ledger.dirty = self.ledger.dirty, set()
-        for tenant in dirty:
-            if tenant in self._queues:
-                self._push(tenant)
+    def _top(self, heap: list[tuple], current) -> tuple | None:
+        """The top entry once it is current: stale ones are dropped (tenant no longer
+        backlogged) or re-pushed with ``current(tenant)``, their tenant's key now."""
+        while heap:
+            entry = heap[0]
+            tenant = entry[-1]
+            if tenant not in self._queues:
+                heapq.heappop(heap)
+                continue
+            fresh = current(tenant)
+            if fresh == entry:
+                return entry
+            heapq.heapreplace(heap, fresh)
+        return None
 
-    def _top(self, heap: list[tuple]) -> tuple | None:
-        self._refresh()
-        while heap and not self._valid(heap[0]):
-            heapq.heappop(heap)
-        return heap[0] if heap else None
+    def _admit_entry(self, tenant: str) -> tuple:
+        return (*self._key(tenant), self._order[tenant], tenant)
+
+    def _min_entry(self, tenant: str) -> tuple:
+        return self.ledger.counter.get(tenant, 0.0), self._order[tenant], tenant
 
     def min_counter(self) -> float | None:
         """The smallest counter of the backlogged tenants (None: nobody is backlogged)."""
-        top = self._top(self._min_heap)
+        top = self._top(self._min_heap, self._min_entry)
         return None if top is None else top[0]
 
     # ---- the queue (same interface as WaitingQueue) --------------------------------------------
@@ -89,11 +100,14 @@ class FairQueue:
             queue = self._queues[tenant] = WaitingQueue(self.aging_steps)
             self._bands[tenant] = Counter()
             self._order.setdefault(tenant, len(self._order))
+        bands = self._bands[tenant]
+        improves = not bands or seq.priority < min(bands)
         queue.push(seq)
-        self._bands[tenant][seq.priority] += 1
+        bands[seq.priority] += 1
         self._len += 1
         self.ledger.count_waiting(tenant, 1)
-        self._push(tenant)
+        if improves:  # a smaller key than its entries hold: they are no lower bound any more
+            self._push(tenant)
 
     def remove(self, seq: Request) -> None:
         tenant = seq.tenant
@@ -107,9 +121,7 @@ class FairQueue:
             del band[seq.priority]
         self._len -= 1
         self.ledger.count_waiting(tenant, -1)
-        if queue:
-            self._push(tenant)
-        else:  # leaves the backlog; its heap entries go stale
+        if not queue:  # leaves the backlog; its heap entries are dropped when they surface
             del self._queues[tenant], self._bands[tenant]
             self._floor = self.ledger.counter.get(tenant, 0.0)
 
@@ -121,7 +133,7 @@ class FairQueue:
         parked = []  # entries of tenants with nothing more to offer in this pass
         with contextlib.ExitStack() as stack:
             try:
-                while (entry := self._top(self._admit_heap)) is not None:
+                while (entry := self._top(self._admit_heap, self._admit_entry)) is not None:
                     tenant = entry[-1]
                     it = tenants.get(tenant)
                     if it is None:
@@ -134,7 +146,7 @@ class FairQueue:
                     yield seq
             finally:
                 for entry in parked:
-                    if self._valid(entry):
+                    if entry[-1] in self._queues:
                         heapq.heappush(self._admit_heap, entry)
 
     def __len__(self) -> int:

@@ -99,9 +99,9 @@ class TenantStats:
 
 
 class TenantLedger:
-    """Per-tenant service and virtual token counters of one scheduler. ``dirty`` collects the
-    tenants whose counter moved since the fair queue last looked; ``_changed`` those whose
-    figures moved since the last :meth:`snapshot` (which rebuilds only those: O(changed))."""
+    """Per-tenant service and virtual token counters of one scheduler (counters only grow).
+    ``_changed``: the tenants whose figures moved since the last :meth:`snapshot`, which
+    rebuilds only those (O(changed), not O(tenants))."""
 
     def __init__(self, weights: Iterable[tuple[str, float]] = ()):
         self.weights = dict(weights)
@@ -109,7 +109,6 @@ class TenantLedger:
         self.prompt_tokens: dict[str, int] = {}
         self.output_tokens: dict[str, int] = {}
         self.waiting: dict[str, int] = {}
-        self.dirty: set[str] = set()
         self._changed: set[str] = set()
         self._slots: dict[str, int] = {}  # running requests per tenant, as of the last snapshot
         self._stats: dict[str, TenantStats] = {}
@@ -122,14 +121,12 @@ class TenantLedger:
         self.output_tokens[tenant] = self.output_tokens.get(tenant, 0) + output
         cost = (W_IN * prompt + W_OUT * output) / self.weight(tenant)
         self.counter[tenant] = self.counter.get(tenant, 0.0) + cost
-        self.dirty.add(tenant)
         self._changed.add(tenant)
 
     def lift(self, tenant: str, floor: float) -> None:
         """No credit for idle time: raise ``tenant``'s counter to at least ``floor``."""
         if self.counter.get(tenant, 0.0) < floor:
             self.counter[tenant] = floor
-            self.dirty.add(tenant)
             self._changed.add(tenant)
 
     def count_waiting(self, tenant: str, delta: int) -> None:
