@@ -38,7 +38,12 @@ def engine(policy: str, weights=None, **kw) -> LLMEngine:
     base = dict(max_slots=8, page_size=4, num_pages=1024, max_seq_len=64, block_q=4)
     base.update(max_num_batched_tokens=32, scheduling_policy=policy)
     cfg = EngineConfig(**{**base, "tenant_weights": weights or {}, **kw})
-    return LLMEngine(types.SimpleNamespace(vocab_size=VOCAB), None, cfg, core=MockCore(cfg, VOCAB))
+    return LLMEngine(
+        types.SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=1 << 20),
+        None,
+        cfg,
+        core=MockCore(cfg, VOCAB),
+    )
 
 
 def add(eng, rng, tenant, max_prompt=16, max_out=16) -> str:

@@ -41,7 +41,12 @@ def engine(policy: str, weights=None, **kw) -> LLMEngine:
             **kw,
         }
     )
-    return LLMEngine(types.SimpleNamespace(vocab_size=VOCAB), None, cfg, core=MockCore(cfg, VOCAB))
+    return LLMEngine(
+        types.SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=1 << 20),
+        None,
+        cfg,
+        core=MockCore(cfg, VOCAB),
+    )
 
 
 def add(eng, rng, tenant, max_prompt=MAX_PROMPT, max_out=MAX_OUT) -> str:
