@@ -26,7 +26,7 @@ VOCAB = 97
 def mock_engine(**cfg_kwargs) -> LLMEngine:
     cfg = EngineConfig(**{"block_q": 4, "page_size": 4, "num_pages": 64, "max_seq_len": 64,
                           "max_slots": 4, **cfg_kwargs})  # fmt: skip
-    model_cfg = types.SimpleNamespace(vocab_size=VOCAB)
+    model_cfg = types.SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=1 << 20)
     return LLMEngine(model_cfg, None, cfg, core=MockCore(cfg, VOCAB))
 
 

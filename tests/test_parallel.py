@@ -248,7 +248,12 @@ def test_cli_has_parallel_flags():
 
 
 def _mock_engine(cfg: EngineConfig) -> LLMEngine:
-    return LLMEngine(types.SimpleNamespace(vocab_size=97), None, cfg, core=MockCore(cfg, 97))
+    return LLMEngine(
+        types.SimpleNamespace(vocab_size=97, max_position_embeddings=1 << 20),
+        None,
+        cfg,
+        core=MockCore(cfg, 97),
+    )
 
 
 def test_router_least_loaded_and_exact_outputs():
