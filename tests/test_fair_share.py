@@ -258,3 +258,20 @@ def test_fair_policy_on_a_real_model_no_recompiles_and_exact_tokens(hf_checkpoin
         out = eng.requests[rid].output_ids
         assert len(out) == max_tokens
         assert_teacher_forced(model, prompt, out)
+
+
+def test_router_sums_tenant_figures_over_replicas():
+    from jbatch.parallel.router import ReplicaRouter
+
+    router = ReplicaRouter([engine("fair"), engine("fair")])
+    rng = np.random.RandomState(6)
+    ids = [add(router, rng, t) for t in "AABBC" * 2]
+    while router.has_unfinished_requests():
+        router.step()
+    tenants = router.stats().tenants
+    for t in "ABC":
+        mine = [router.engines[router.replica_of(r)].requests[r] for r in ids]
+        mine = [s for s in mine if s.tenant == t]
+        assert tenants[t].output_tokens == sum(s.max_tokens for s in mine)
+        assert tenants[t].waiting == tenants[t].running == 0
+    assert {router.replica_of(r) for r in ids} == {0, 1}

@@ -1,0 +1,107 @@
+"""A 16k-token prompt amid a flood of short chats: its TTFT, and the chats' TPOT, per policy.
+
+A random 2-layer Llama with a 17k-token context (``jbatch.tiny_model``), 8 slots, a 256-token
+step budget. The long prompt (16 384 tokens, tenant ``analyst``) is prefilled in chunks: each
+step it gets what the budget leaves after the decodes (``max_num_batched_tokens`` minus one
+token per decoding slot), older running prompts first — so its chunk is ``256 - decodes``
+tokens whatever its context (the chunk size does not shrink as the context grows).
+
+Runs, for each of ``fcfs``, ``priority`` and ``fair``:
+* ``idle``: the long prompt alone — its TTFT;
+* ``flood``: short chats (16 prompt tokens, 32 output tokens, 8 tenants) arriving at 0.4 per
+  step for 200 steps (more than 8 slots serve: a backlog builds) — their TPOT p99;
+* ``flood_long``: the same flood with the long prompt arriving at step 20.
+
+    PYTHONPATH=. python scripts/bench_long_prompt.py --out docs/bench_long_prompt.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from jbatch import LLM, SamplingParams
+from jbatch.tiny_model import write_random_llama
+
+LONG = 16_384
+
+
+def run(eng, rng, flood: bool, long_at: int | None) -> dict:
+    arrivals: dict[int, list] = {}
+    if flood:
+        for step in range(200):
+            if rng.random() < 0.4:
+                prompt = rng.integers(3, 2048, 16).tolist()
+                arrivals.setdefault(step, []).append((prompt, 32, f"chat{step % 8}"))
+    if long_at is not None:
+        arrivals.setdefault(long_at, []).append(
+            (rng.integers(3, 2048, LONG).tolist(), 4, "analyst")
+        )
+    done, long_id, step = {}, None, 0
+    while arrivals or eng.has_unfinished_requests():
+        for prompt, n, tenant in arrivals.pop(step, []):
+            p = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            rid = eng.add_request(prompt, p, tenant=tenant)
+            if tenant == "analyst":
+                long_id = rid
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = (
+                    time.monotonic(),
+                    out.metrics,
+                    len(out.outputs[0].token_ids),
+                )
+        step += 1
+    result = {"steps": step}
+    tpot = [
+        (t - m["first_token_time"]) / (n - 1) for rid, (t, m, n) in done.items() if rid != long_id
+    ]
+    if tpot:
+        result["chat_tpot_p99_ms"] = 1e3 * float(np.percentile(tpot, 99))
+        result["chat_tpot_p50_ms"] = 1e3 * float(np.median(tpot))
+    if long_id is not None:
+        m = done[long_id][1]
+        result["long_ttft_s"] = m["first_token_time"] - m["arrival_time"]
+    eng.forget_finished()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="docs/bench_long_prompt.json")
+    args = ap.parse_args()
+    model = write_random_llama(
+        "/tmp/jbatch-long-llama", vocab_size=2048, hidden_size=128, intermediate_size=256,
+        num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=17_408,
+        tokenizer=False,
+    )  # fmt: skip
+    llm = LLM(
+        model, max_slots=8, page_size=16, num_pages=1120, max_num_batched_tokens=256,
+        max_seq_len=16_896,
+    )  # fmt: skip
+    eng, results = llm.engine, {}
+    for policy in ("fcfs", "priority", "fair"):
+        eng.set_policies(scheduling_policy=policy)
+        r = {}
+        for name, flood, long_at in (
+            ("idle", False, 0),
+            ("flood", True, None),
+            ("flood_long", True, 20),
+        ):
+            r[name] = run(eng, np.random.default_rng(0), flood, long_at)
+            print(policy, name, r[name], flush=True)
+        r["ttft_vs_idle"] = r["flood_long"]["long_ttft_s"] / r["idle"]["long_ttft_s"]
+        r["tpot_p99_vs_flood"] = (
+            r["flood_long"]["chat_tpot_p99_ms"] / r["flood"]["chat_tpot_p99_ms"]
+        )
+        results[policy] = r
+    with open(args.out, "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d"), "results": results}, f, indent=1)
+    print(json.dumps({p: {k: v for k, v in r.items() if "vs" in k} for p, r in results.items()}))
+
+
+if __name__ == "__main__":
+    main()
