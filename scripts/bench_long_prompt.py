@@ -10,7 +10,8 @@ Runs, for each of ``fcfs``, ``priority`` and ``fair``:
 * ``idle``: the long prompt alone — its TTFT;
 * ``flood``: short chats (16 prompt tokens, 32 output tokens, 8 tenants) arriving at 0.4 per
   step for 200 steps (more than 8 slots serve: a backlog builds) — their TPOT p99;
-* ``flood_long``: the same flood with the long prompt arriving at step 20.
+* ``flood_long``: the same flood with the long prompt arriving at step 150 (a backlog of chats
+  is waiting by then).
 
     PYTHONPATH=. python scripts/bench_long_prompt.py --out docs/bench_long_prompt.json
 """
@@ -40,7 +41,7 @@ def run(eng, rng, flood: bool, long_at: int | None) -> dict:
         arrivals.setdefault(long_at, []).append(
             (rng.integers(3, 2048, LONG).tolist(), 4, "analyst")
         )
-    done, long_id, step = {}, None, 0
+    done, long_id, step, t0 = {}, None, 0, time.monotonic()
     while arrivals or eng.has_unfinished_requests():
         for prompt, n, tenant in arrivals.pop(step, []):
             p = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -52,10 +53,10 @@ def run(eng, rng, flood: bool, long_at: int | None) -> dict:
                 done[out.request_id] = (
                     time.monotonic(),
                     out.metrics,
-                    len(out.outputs[0].token_ids),
+                    len(eng.requests[out.request_id].output_ids),
                 )
         step += 1
-    result = {"steps": step}
+    result = {"steps": step, "seconds": time.monotonic() - t0}
     tpot = [
         (t - m["first_token_time"]) / (n - 1) for rid, (t, m, n) in done.items() if rid != long_id
     ]
@@ -63,8 +64,9 @@ def run(eng, rng, flood: bool, long_at: int | None) -> dict:
         result["chat_tpot_p99_ms"] = 1e3 * float(np.percentile(tpot, 99))
         result["chat_tpot_p50_ms"] = 1e3 * float(np.median(tpot))
     if long_id is not None:
-        m = done[long_id][1]
+        m, seq = done[long_id][1], eng.requests[long_id]
         result["long_ttft_s"] = m["first_token_time"] - m["arrival_time"]
+        result["long_wait_steps"] = seq.first_scheduled_step - seq.waiting_since  # for a slot
     eng.forget_finished()
     return result
 
@@ -89,7 +91,7 @@ def main() -> None:
         for name, flood, long_at in (
             ("idle", False, 0),
             ("flood", True, None),
-            ("flood_long", True, 20),
+            ("flood_long", True, 150),
         ):
             r[name] = run(eng, np.random.default_rng(0), flood, long_at)
             print(policy, name, r[name], flush=True)

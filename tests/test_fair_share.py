@@ -275,3 +275,21 @@ def test_router_sums_tenant_figures_over_replicas():
         assert tenants[t].output_tokens == sum(s.max_tokens for s in mine)
         assert tenants[t].waiting == tenants[t].running == 0
     assert {router.replica_of(r) for r in ids} == {0, 1}
+
+
+def test_service_on_an_idle_engine_is_not_held_against_a_tenant():
+    """X uses the engine alone (nobody else wants it), then Y floods; X's next request waits
+    only for a free slot, not until Y has caught up with X's past service."""
+    eng, rng = engine("fair"), np.random.RandomState(7)
+    for _ in range(30):
+        add(eng, rng, "X")
+    while eng.has_unfinished_requests():
+        eng.step()
+    for _ in range(60):
+        add(eng, rng, "Y")
+    for _ in range(10):
+        eng.step()
+    seq = eng.requests[add(eng, rng, "X")]
+    while seq.first_scheduled_step is None:
+        eng.step()
+    assert seq.first_scheduled_step - seq.waiting_since <= 2 * MAX_OUT  # one slot's turnover

@@ -8,9 +8,11 @@ smallest virtual token counter (``tenants.TenantLedger``; ties: the tenant seen 
 priorities are strict across tenants and fairness holds among tenants of the same band; aging
 applies within a tenant only.
 
-A tenant that becomes backlogged again (its first waiting request after an idle spell) has its
-counter lifted to the smallest counter of the backlogged tenants (to that of the last tenant
-that left the backlog when none is): idle time earns no burst credit.
+A tenant that becomes backlogged (its first waiting request after an idle spell) has its counter
+lifted to the smallest counter of the backlogged tenants: idle time earns no burst credit. When
+no tenant is backlogged, nobody is being denied service, so the past is forgiven: it is lifted
+to the largest counter of all (a tenant that had the machine to itself is not made to wait
+later for the service it got while nobody else wanted any).
 
 Two heaps over backlogged tenants — (band, counter) for admission and (counter) for the lift —
 keep keys lazily: counters only grow, so an entry's key is a lower bound of its tenant's key.
@@ -41,7 +43,6 @@ class FairQueue:
         self._order: dict[str, int] = {}  # tie-break: the order tenants were first seen
         self._admit_heap: list[tuple] = []  # (band, counter, order, tenant)
         self._min_heap: list[tuple] = []  # (counter, order, tenant)
-        self._floor = 0.0  # counter of the last tenant that left the backlog
         self._len = 0
 
     # ---- the heaps -----------------------------------------------------------------------------
@@ -96,7 +97,7 @@ class FairQueue:
         queue = self._queues.get(tenant)
         if queue is None:  # back from idle: no credit for the time away
             floor = self.min_counter()
-            self.ledger.lift(tenant, self._floor if floor is None else floor)
+            self.ledger.lift(tenant, self.ledger.max_counter if floor is None else floor)
             queue = self._queues[tenant] = WaitingQueue(self.aging_steps)
             self._bands[tenant] = Counter()
             self._order.setdefault(tenant, len(self._order))
@@ -123,7 +124,6 @@ class FairQueue:
         self.ledger.count_waiting(tenant, -1)
         if not queue:  # leaves the backlog; its heap entries are dropped when they surface
             del self._queues[tenant], self._bands[tenant]
-            self._floor = self.ledger.counter.get(tenant, 0.0)
 
     def in_order(self) -> Iterator[Request]:
         """Yield waiting sequences in admission order, re-deciding after each one (an admitted

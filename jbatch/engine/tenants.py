@@ -106,6 +106,7 @@ class TenantLedger:
     def __init__(self, weights: Iterable[tuple[str, float]] = ()):
         self.weights = dict(weights)
         self.counter: dict[str, float] = {}
+        self.max_counter = 0.0  # the largest counter of any tenant
         self.prompt_tokens: dict[str, int] = {}
         self.output_tokens: dict[str, int] = {}
         self.waiting: dict[str, int] = {}
@@ -120,7 +121,8 @@ class TenantLedger:
         self.prompt_tokens[tenant] = self.prompt_tokens.get(tenant, 0) + prompt
         self.output_tokens[tenant] = self.output_tokens.get(tenant, 0) + output
         cost = (W_IN * prompt + W_OUT * output) / self.weight(tenant)
-        self.counter[tenant] = self.counter.get(tenant, 0.0) + cost
+        self.counter[tenant] = value = self.counter.get(tenant, 0.0) + cost
+        self.max_counter = max(self.max_counter, value)
         self._changed.add(tenant)
 
     def lift(self, tenant: str, floor: float) -> None:
