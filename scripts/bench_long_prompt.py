@@ -63,6 +63,9 @@ def run(eng, rng, flood: bool, long_at: int | None) -> dict:
     if tpot:
         result["chat_tpot_p99_ms"] = 1e3 * float(np.percentile(tpot, 99))
         result["chat_tpot_p50_ms"] = 1e3 * float(np.median(tpot))
+        ttft = [m["first_token_time"] - m["arrival_time"] for rid, (_, m, _) in done.items()
+                if rid != long_id]  # fmt: skip
+        result["chat_ttft_p99_ms"] = 1e3 * float(np.percentile(ttft, 99))
     if long_id is not None:
         m, seq = done[long_id][1], eng.requests[long_id]
         result["long_ttft_s"] = m["first_token_time"] - m["arrival_time"]
