@@ -16,13 +16,15 @@ from typing import Any
 
 def fail_step_at(engine: Any, n: int = 1, message: str = "injected step fault") -> None:
     core, calls = engine.core, 0
+    previous = vars(core).get("step")  # another test hook (slow steps) stays in the chain
+    inner = core.step
 
     def step(*args):
         nonlocal calls
         calls += 1
-        result = type(core).step(core, *args)
+        result = inner(*args)
         if calls == n:
-            del core.step  # the real method from now on
+            _restore(core, "step", previous)
             raise RuntimeError(message)
         return result
 
@@ -31,13 +33,22 @@ def fail_step_at(engine: Any, n: int = 1, message: str = "injected step fault") 
 
 def fail_detokenize_at(engine: Any, n: int = 1, message: str = "injected detokenizer fault"):
     tokenizer, calls = engine.tokenizer, 0
+    previous = vars(tokenizer).get("decode")
+    inner = tokenizer.decode
 
     def decode(*args, **kw):
         nonlocal calls
         calls += 1
         if calls == n:
-            del tokenizer.decode
+            _restore(tokenizer, "decode", previous)
             raise RuntimeError(message)
-        return type(tokenizer).decode(tokenizer, *args, **kw)
+        return inner(*args, **kw)
 
     tokenizer.decode = decode
+
+
+def _restore(obj: Any, name: str, previous: Any) -> None:
+    if previous is None:
+        delattr(obj, name)  # the class's method again
+    else:
+        setattr(obj, name, previous)
