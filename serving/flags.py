@@ -65,7 +65,10 @@ def add_hardening_flags(parser: argparse.ArgumentParser) -> None:
 
 def hardening_config(args: argparse.Namespace) -> dict[str, Any]:
     """``ServeConfig`` keyword arguments from the flags (ValueError naming a bad one)."""
+    from serving.request_stream import StreamBuffers
+
     values = {f.name: getattr(args, _dest(f)) for f in dataclasses.fields(RequestLimits)}
+    StreamBuffers(args.stream_buffer, args.stream_stall_timeout)  # checked before loading
     return dict(
         api_keys=ApiKeys.from_flags(args.api_key, args.protect_metrics),
         tls_cert=args.tls_cert,

@@ -176,3 +176,24 @@ def test_grpc_message_limit_counts_the_serialized_request(limited):
     with grpc.insecure_channel(limited.grpc_target) as channel:
         resps = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=10))
     assert resps[-1].usage.completion_tokens == 2
+
+
+def test_serve_flags_build_the_config(monkeypatch):
+    from jbatch.cli import _build_parser
+    from serving.flags import hardening_config
+
+    monkeypatch.delenv("JBATCH_API_KEY", raising=False)
+    argv = ["serve", "--api-key", "a1", "--api-key", "b2", "--protect-metrics"]
+    argv += ["--max-body-bytes", "1000", "--max-tokens-limit", "7", "--max-prompt-tokens", "9"]
+    argv += ["--max-concurrent-streams", "3", "--stream-buffer", "5", "--stream-stall-timeout", "2"]
+    config = hardening_config(_build_parser().parse_args(argv))
+    assert config["limits"] == RequestLimits(
+        max_body_bytes=1000, max_tokens=7, max_prompt_tokens=9, max_concurrent_streams=3
+    )
+    keys = config["api_keys"]
+    assert keys.allows("Bearer a1") and keys.allows("Bearer b2") and keys.protect_metrics
+    assert (config["stream_buffer"], config["stream_stall_timeout"]) == (5, 2.0)
+    defaults = hardening_config(_build_parser().parse_args(["serve"]))
+    assert defaults["limits"] == RequestLimits() and not defaults["api_keys"].enabled
+    with pytest.raises(ValueError, match="stream_buffer"):
+        hardening_config(_build_parser().parse_args(["serve", "--stream-buffer", "0"]))
