@@ -5,7 +5,7 @@
   stays open (load balancers probe it without credentials).
 * Undecodable requests: a message that does not parse (truncated bytes, invalid UTF-8 in a
   ``string`` field...) ends INVALID_ARGUMENT naming the method, where grpcio would answer
-  INTERNAL.
+  UNKNOWN ("Unexpected DecodeError").
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def hardened_llm(tmp_path_factory) -> Hardened:
     tokenizer = Tokenizer.from_dir(path)
     tokenizer.chat_template = CHAT_TEMPLATE
     cfg = EngineConfig(**ENGINE)
-    model_cfg = types.SimpleNamespace(vocab_size=VOCAB)
+    model_cfg = types.SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=4096)
     engine = LLMEngine(model_cfg, None, cfg, tokenizer=tokenizer, core=MockCore(cfg, VOCAB))
     rng = np.random.RandomState(1)
     h = Hardened(engine, [])
