@@ -16,6 +16,7 @@ from jbatch.engine.config import EngineConfig
 from jbatch.engine.tenants import load_tenant_weights
 from jbatch.sampling_params import SamplingParams
 from jbatch.sampling_surfaces import surface_fields
+from serving.flags import add_hardening_flags, hardening_config
 
 
 def _tenant_weights_file(path: str):
@@ -167,6 +168,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get "
         "on SIGTERM before they are aborted"
     )  # fmt: skip
+    add_hardening_flags(srv)
     _add_engine_flags(srv)
     _add_distributed_flags(srv)
 
@@ -178,6 +180,11 @@ def _build_parser() -> argparse.ArgumentParser:
     cli.add_argument("prompts", nargs="+", help="prompt strings")
     cli.add_argument("--target", default="127.0.0.1:50051", help="gRPC host:port")
     cli.add_argument("--timeout", type=float, default=None, help="deadline per request (s)")
+    cli.add_argument("--tls-ca", default=None, help="PEM CA / certificate to trust: use TLS")
+    cli.add_argument(
+        "--api-key", default=None, help="sent as 'authorization: Bearer KEY' (default: the "
+        "JBATCH_API_KEY environment variable)"
+    )  # fmt: skip
     _add_sampling_flags(cli)
     return parser
 
@@ -199,6 +206,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         shutdown_timeout=args.shutdown_timeout,
         model_name=args.served_model_name or Path(args.model).resolve().name,
+        **hardening_config(args),
     )
     if not Path(args.model).is_dir():
         raise FileNotFoundError(f"--model {args.model}: no such folder")
@@ -207,6 +215,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _client(args: argparse.Namespace) -> int:
     import asyncio
+    import os
 
     import grpc
 
@@ -215,7 +224,8 @@ def _client(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
 
     async def run() -> int:
-        async with GenerationClient(args.target) as client:
+        api_key = args.api_key or os.environ.get("JBATCH_API_KEY") or None
+        async with GenerationClient(args.target, tls_ca=args.tls_ca, api_key=api_key) as client:
             for prompt in args.prompts:
                 print(prompt, end="", flush=True)
                 try:

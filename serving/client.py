@@ -55,11 +55,21 @@ def build_request(
 
 
 class GenerationClient:
-    """``async with GenerationClient("127.0.0.1:50051") as c: async for r in c.generate(...)``."""
+    """``async with GenerationClient("127.0.0.1:50051") as c: async for r in c.generate(...)``.
 
-    def __init__(self, target: str):
-        self.channel = grpc.aio.insecure_channel(target)
+    ``tls_ca``: a PEM file of the CA (or the self-signed certificate) to trust; the channel
+    then uses TLS. ``api_key``: sent as ``authorization: Bearer KEY`` metadata on every call.
+    """
+
+    def __init__(self, target: str, *, tls_ca: str | None = None, api_key: str | None = None):
+        if tls_ca is None:
+            self.channel = grpc.aio.insecure_channel(target)
+        else:
+            with open(tls_ca, "rb") as f:
+                credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+            self.channel = grpc.aio.secure_channel(target, credentials)
         self.stub = pb_grpc.GenerationStub(self.channel)
+        self._metadata = () if not api_key else (("authorization", f"Bearer {api_key}"),)
 
     async def __aenter__(self) -> GenerationClient:
         return self
@@ -88,7 +98,7 @@ class GenerationClient:
         """Stream responses; raises grpc.aio.AioRpcError on a non-OK status. Leaving the loop
         early cancels the call (the server aborts the request)."""
         request = build_request(prompt, params, request_id, priority, tenant)
-        call = self.stub.Generate(request, timeout=timeout)
+        call = self.stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for resp in call:
                 yield resp
@@ -114,4 +124,5 @@ class GenerationClient:
         )
 
     async def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        request = pb.GetModelInfoRequest()
+        return await self.stub.GetModelInfo(request, timeout=timeout, metadata=self._metadata)

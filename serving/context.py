@@ -8,9 +8,12 @@ from typing import Any
 from grpc_health.v1 import health
 
 from jbatch.engine.interface import EngineClient
+from jbatch.sampling_params import SamplingParams
 from jbatch.tokenizer import Tokenizer
+from serving.auth import ApiKeys
 from serving.engine_thread import EngineThread
 from serving.errors import ServingError, Status
+from serving.limits import RequestLimits
 from serving.metrics import ServingMetrics
 
 # Text prompts at least this long are encoded on a worker thread, so that a long prompt does
@@ -21,9 +24,18 @@ ENCODE_OFF_LOOP_CHARS = 4096
 class ServingContext:
     """Shared state of one server. ``engine_thread`` is None until the model is loaded."""
 
-    def __init__(self, model_name: str, metrics: ServingMetrics | None = None):
+    def __init__(
+        self,
+        model_name: str,
+        metrics: ServingMetrics | None = None,
+        *,
+        limits: RequestLimits | None = None,
+        api_keys: ApiKeys | None = None,
+    ):
         self.model_name = model_name
         self.metrics = metrics or ServingMetrics()
+        self.limits = limits or RequestLimits()
+        self.api_keys = api_keys or ApiKeys()
         self.health = health.aio.HealthServicer()
         self.engine_thread: EngineThread | None = None
 
@@ -65,6 +77,10 @@ class ServingContext:
             return tokenizer.encode(text, add_special_tokens)
         return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
 
+    def check_limits(self, prompt: list[int], params: SamplingParams) -> None:
+        """ValueError naming the first of :attr:`limits` the request exceeds."""
+        self.limits.check(prompt, params)
+
     def model_info(self) -> dict[str, Any] | None:
         """Static facts about the model and engine (None while loading)."""
         engine = self.engine
@@ -79,4 +95,5 @@ class ServingContext:
             eos_token_ids=sorted(engine.eos_ids),
             has_chat_template=bool(tok is not None and tok.chat_template),
             dtype=engine.cfg.dtype,
+            limits=self.limits.resolved(engine.cfg.max_seq_len),
         )

@@ -15,7 +15,9 @@ through that interface. Data flow of a request:
    ``ValueError`` fails that stream with INVALID_ARGUMENT), aborts, calls — and runs one
    ``engine.step()``.
 3. Each ``RequestOutput`` becomes a :class:`Delta` put on its request's asyncio queue with
-   ``loop.call_soon_threadsafe``; the stream's async iterator hands it to the front end.
+   ``loop.call_soon_threadsafe``; the stream's async iterator hands it to the front end. The
+   queue is bounded (``stream_buffer`` outputs): a consumer that stops reading is aborted after
+   ``stream_stall_timeout`` seconds (``serving/request_stream.py``).
 4. A finished request is forgotten (``engine.forget``). An abort (client went away, deadline,
    or a consumer whose event loop has closed) calls ``engine.abort_request``: the slot and
    pages are free for the very next step.
@@ -44,72 +46,14 @@ from jbatch.outputs import RequestOutput
 from jbatch.sampling_params import SamplingParams
 from serving.errors import ServingError, Status
 from serving.metrics import ServingMetrics
+from serving.request_stream import Delta, RequestStream, StreamBuffers
+
+__all__ = ["Delta", "EngineThread", "RequestStream"]
 
 log = logging.getLogger(__name__)
 
 _MAX_COMMANDS_PER_STEP = 4096  # bounds the time between steps when many requests arrive at once
-
-
-@dataclasses.dataclass(frozen=True)
-class Delta:
-    """What one engine step added to a request; the last one has ``finish_reason`` set."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None  # the stop token id / stop string that matched
-    prompt_tokens: int = 0
-    completion_tokens: int = 0  # generated so far, this delta included
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-class RequestStream:
-    """Async iterator over one request's :class:`Delta` s; raises :class:`ServingError`.
-
-    Created by :meth:`EngineThread.submit` on the caller's event loop, fed by the engine thread.
-    Call :meth:`abort` when the consumer gives up (cancellation, deadline, disconnect).
-    """
-
-    def __init__(self, request_id: str, owner: EngineThread, loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
-        self._owner = owner
-        self._loop = loop
-        self._queue: asyncio.Queue[Delta | ServingError] = asyncio.Queue()
-        self.done = False
-
-    def _put(self, item: Delta | ServingError) -> None:
-        """Hand ``item`` to the consumer's loop (any thread). A closed loop means nobody is
-        listening any more: the request is aborted (its slot and pages freed)."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:
-            ended = isinstance(item, ServingError) or item.finished
-            if not self.done and not ended:
-                self.done = True
-                self._owner.abort(self.request_id, "disconnected")
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Delta:
-        if self.done:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, ServingError):
-            self.done = True
-            raise item
-        if item.finished:
-            self.done = True
-        return item
-
-    def abort(self, outcome: str = "cancelled") -> None:
-        """Stop generating (no-op once the stream has ended); ``outcome`` labels the metric."""
-        if not self.done:
-            self.done = True
-            self._owner.abort(self.request_id, outcome)
+_STALL_POLL_S = 0.01  # how often an idle engine thread looks at stalled streams
 
 
 @dataclasses.dataclass
@@ -158,6 +102,8 @@ class EngineThread:
         max_queue: int = 1024,
         metrics: ServingMetrics | None = None,
         name: str = "jbatch-engine",
+        stream_buffer: int = 256,
+        stream_stall_timeout: float = 30.0,
     ):
         if not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue must be an int >= 1, got {max_queue!r}")
@@ -174,6 +120,7 @@ class EngineThread:
         self._stop_deadline: float | None = None  # engine thread only
         self._exiting = False
         self._failed_steps = 0  # consecutive steps that raised something other than StepFailed
+        self._buffers = StreamBuffers(stream_buffer, stream_stall_timeout)  # engine thread only
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # ---- any thread -----------------------------------------------------------------------------
@@ -267,6 +214,7 @@ class EngineThread:
                         break
                 if engine.has_unfinished_requests():
                     self._step()
+                self._service_stalled()
                 self._publish()
         except BaseException as e:  # a bug in this loop: fail everyone rather than hang them
             log.exception("engine thread crashed")
@@ -275,12 +223,14 @@ class EngineThread:
             with self._lock:
                 self._draining = self._exiting = True
             self._take_commands(block=False)  # answer calls and adds that raced the exit
+            self._buffers.flush_all()
             log.info("engine thread stopped")
 
     def _take_commands(self, block: bool) -> None:
         for i in range(_MAX_COMMANDS_PER_STEP):
             try:
-                cmd = self._inbox.get(block=block and i == 0)
+                wait = _STALL_POLL_S if self._buffers.stalled else None
+                cmd = self._inbox.get(block=block and i == 0, timeout=wait)
             except queue.Empty:
                 return
             if isinstance(cmd, _Add):
@@ -311,6 +261,7 @@ class EngineThread:
         self._live[rid] = _Live(cmd.stream, cmd.arrival)
 
     def _abort(self, request_id: str, outcome: str) -> None:
+        self._buffers.discard(request_id)
         live = self._live.pop(request_id, None)
         if live is None:
             return  # finished (or failed) before the abort arrived
@@ -352,7 +303,8 @@ class EngineThread:
                 self.metrics.itl.observe(now - live.last_token)
             live.last_token = now
         finish = completion.finish_reason if out.finished else None
-        live.stream._put(
+        self._buffers.push(
+            live.stream,
             Delta(
                 token_ids=completion.token_ids,
                 text=completion.text,
@@ -360,7 +312,8 @@ class EngineThread:
                 stop_reason=completion.stop_reason if out.finished else None,
                 prompt_tokens=len(out.prompt_token_ids),
                 completion_tokens=completion.num_tokens,
-            )
+            ),
+            now,
         )
         if out.finished:
             del self._live[out.request_id]
@@ -386,8 +339,26 @@ class EngineThread:
             self._fail(live.stream, error)
         self._live.clear()
 
+    def _service_stalled(self) -> None:
+        """Flush streams whose consumer caught up; abort those whose consumer went silent."""
+        for stream in self._buffers.service(time.monotonic()):
+            self.metrics.slow_consumer_aborts.inc()
+            error = ServingError(
+                Status.RESOURCE_EXHAUSTED,
+                f"stream aborted: the client left {stream.buffered} outputs unread for "
+                f"{self._buffers.stall_timeout:g}s (stream_buffer={self._buffers.limit})",
+            )
+            live = self._live.pop(stream.request_id, None)
+            if live is None:  # finished already: only its last outputs were waiting
+                stream._put(error)
+                continue
+            self.engine.abort_request(stream.request_id)
+            self.engine.forget(stream.request_id)
+            self._fail(stream, error)
+
     def _fail(self, stream: RequestStream, error: ServingError) -> None:
         """End an accepted request with ``error``."""
+        self._buffers.discard(stream.request_id)
         stream._put(error)
         self.metrics.outcome(error.status.label)
         self._count_retired()

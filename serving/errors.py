@@ -15,6 +15,8 @@ class Status(enum.Enum):
     DEADLINE_EXCEEDED = (grpc.StatusCode.DEADLINE_EXCEEDED, 504)
     UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, 503)
     INTERNAL = (grpc.StatusCode.INTERNAL, 500)
+    UNAUTHENTICATED = (grpc.StatusCode.UNAUTHENTICATED, 401)
+    TOO_LARGE = (grpc.StatusCode.RESOURCE_EXHAUSTED, 413)  # an HTTP body over max_body_bytes
 
     @property
     def grpc_code(self) -> grpc.StatusCode:

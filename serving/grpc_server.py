@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from serving.context import ServingContext
 from serving.engine_thread import Delta
 from serving.errors import ServingError, Status
+from serving.grpc_guard import GrpcGuard
 from serving.proto.jbatch.v1 import generation_pb2 as pb
 from serving.proto.jbatch.v1 import generation_pb2_grpc as pb_grpc
 from serving.sampling_proto import sampling_params_from_proto
@@ -63,6 +64,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 prompt = await ctx.encode_prompt(request.text)
             else:
                 prompt = list(request.token_ids.ids)
+            ctx.check_limits(prompt, params)
             tenant = grpc_tenant(context.invocation_metadata(), request.tenant)
             stream = thread.submit(prompt, params, request.priority, tenant=tenant)
         except ValueError as e:
@@ -102,17 +104,33 @@ class GenerationService(pb_grpc.GenerationServicer):
         return pb.ModelInfo(**info)
 
 
-def build_grpc_server(ctx: ServingContext, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """A grpc.aio server with Generation, health and reflection, bound (not started).
+def build_grpc_server(
+    ctx: ServingContext, host: str, port: int, tls: tuple[bytes, bytes] | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server with Generation, health and reflection, bound (not started); with
+    ``tls`` (PEM private key, PEM certificate chain) it listens with TLS only.
 
-    Returns the server and the port it bound (``port=0`` picks a free one).
+    Every call goes through :class:`serving.grpc_guard.GrpcGuard` (API keys, undecodable
+    requests); messages are bounded by ``max_body_bytes`` and streams per connection by
+    ``max_concurrent_streams``. Returns the server and the port it bound (``port=0``: any).
     """
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    limits = ctx.limits
+    options = [
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", limits.max_body_bytes),
+        ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
+    ]
+    guard = GrpcGuard(ctx.api_keys, ctx.metrics, f"/{SERVICE_NAME}/")
+    server = grpc.aio.server(options=options, interceptors=[guard])
     pb_grpc.add_GenerationServicer_to_server(GenerationService(ctx), server)
     health_pb2_grpc.add_HealthServicer_to_server(ctx.health, server)
     names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if tls is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, grpc.ssl_server_credentials([tls]))
     if bound == 0:
         raise OSError(f"could not bind the gRPC server to {host}:{port}")
     return server, bound

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, create_model
+from starlette.exceptions import HTTPException
 
 from jbatch.sampling_params import SamplingParams
 from jbatch.sampling_surfaces import SurfaceField, surface_fields
@@ -29,6 +30,7 @@ from serving.chat_template import render_chat
 from serving.context import ServingContext
 from serving.engine_thread import Delta, RequestStream
 from serving.errors import ServingError, Status
+from serving.http_guard import HttpGuard, error_body
 from serving.tenant import http_tenant
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is there
@@ -100,8 +102,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 def _error(status: Status, message: str) -> JSONResponse:
-    body = {"error": {"message": message, "type": status.label, "code": status.http_status}}
-    return JSONResponse(body, status_code=status.http_status)
+    return JSONResponse(error_body(status, message), status_code=status.http_status)
 
 
 def _sse(obj: dict | str) -> bytes:
@@ -112,6 +113,15 @@ def _sse(obj: dict | str) -> bytes:
 def build_app(ctx: ServingContext) -> FastAPI:
     """The FastAPI application of one server."""
     app = FastAPI(title="jbatch", docs_url=None, redoc_url=None)
+    app.add_middleware(
+        HttpGuard, keys=ctx.api_keys, limit=ctx.limits.max_body_bytes, metrics=ctx.metrics
+    )
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own errors (404, 405, a body over the limit) in the OpenAI shape."""
+        body = {"error": {"message": str(exc.detail), "type": "http", "code": exc.status_code}}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -142,6 +152,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
             "created": 0,
             "owned_by": "jbatch",
             "max_model_len": info["max_seq_len"],
+            "limits": info["limits"],
         }
         return JSONResponse({"object": "list", "data": [card]})
 
@@ -197,6 +208,7 @@ async def _generate(
         thread = ctx.engine_thread_or_raise()
         if isinstance(prompt, str):
             prompt = await ctx.encode_prompt(prompt)  # the engine thread gets token ids only
+        ctx.check_limits(prompt, params)
         tenant = http_tenant(raw.headers, req.user)
         stream = thread.submit(prompt, params, req.priority, tenant=tenant)
     except ValueError as e:

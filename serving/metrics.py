@@ -8,10 +8,11 @@ Exported (all prefixed ``jbatch_``):
   ``slot_utilization`` (running / max_slots), ``kv_pages_used``, ``kv_pages_total``,
   ``prefix_cache_hit_rate`` (pages found / pages looked up; 0 while the engine has no prefix
   cache);
+* counter ``slow_consumer_aborts_total`` (streams whose client stopped reading, aborted);
 * counters ``preemptions_total`` and ``requests_total{status, finish_reason}`` — status ``ok``
   (finish_reason stop / length / abort), ``cancelled`` (client went away) or an error status
   (``invalid_argument``, ``resource_exhausted``, ``deadline_exceeded``, ``unavailable``,
-  ``internal``; finish_reason empty);
+  ``internal``, ``unauthenticated``, ``too_large``; finish_reason empty);
 * per tenant (``tenant_metrics.py``: top N tenants + ``other``): ``tenant_prompt_tokens_total``,
   ``tenant_output_tokens_total``, ``tenant_queue_depth``, ``tenant_running_slots``.
 
@@ -76,6 +77,11 @@ class ServingMetrics:
             "jbatch_requests",
             "Requests by outcome.",
             ["status", "finish_reason"],
+            registry=r,
+        )
+        self.slow_consumer_aborts = prom.Counter(
+            "jbatch_slow_consumer_aborts",
+            "Streams aborted because their client stopped reading (stream_stall_timeout).",
             registry=r,
         )
         self._last_preemptions = 0

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import sys
@@ -30,10 +31,12 @@ import prometheus_client as prom
 import uvicorn
 
 from jbatch.engine.interface import EngineClient
+from serving.auth import ApiKeys
 from serving.context import ServingContext
 from serving.engine_thread import EngineThread
 from serving.grpc_server import build_grpc_server, set_health
 from serving.http_server import build_app
+from serving.limits import RequestLimits
 from serving.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,25 @@ class ServeConfig:
     max_queue: int = 1024  # requests waiting for a slot before RESOURCE_EXHAUSTED / 429
     shutdown_timeout: float = 30.0  # seconds in-flight requests get on shutdown
     model_name: str = "jbatch"
+    api_keys: ApiKeys = dataclasses.field(default_factory=ApiKeys)  # its repr hides the keys
+    tls_cert: str | None = None  # PEM certificate chain; with tls_key: both servers use TLS
+    tls_key: str | None = None  # PEM private key
+    limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
+    stream_buffer: int = 256  # outputs buffered per stream for a client that is not reading
+    stream_stall_timeout: float = 30.0  # seconds a full buffer may go unread before the abort
+
+    def tls(self) -> tuple[bytes, bytes] | None:
+        """(private key, certificate chain) PEM bytes, or None without TLS."""
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+        if self.tls_cert is None:
+            return None
+        files = {"tls_key": self.tls_key, "tls_cert": self.tls_cert}
+        for name, path in files.items():
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{name} {path}: no such file")
+        with open(self.tls_key, "rb") as key, open(self.tls_cert, "rb") as cert:
+            return key.read(), cert.read()
 
 
 class _Uvicorn(uvicorn.Server):
@@ -65,7 +87,9 @@ class Server:
 
     def __init__(self, config: ServeConfig, metrics: ServingMetrics | None = None):
         self.config = config
-        self.ctx = ServingContext(config.model_name, metrics)
+        self.ctx = ServingContext(
+            config.model_name, metrics, limits=config.limits, api_keys=config.api_keys
+        )
         self.grpc_port: int | None = None
         self.http_port: int | None = None
         self.metrics_port: int | None = None
@@ -80,15 +104,22 @@ class Server:
 
     async def start(self) -> None:
         cfg = self.config
+        if cfg.metrics_port is not None and cfg.api_keys.protect_metrics:
+            raise ValueError(
+                "metrics_port serves /metrics without authentication: leave it out when "
+                "/metrics is protected by the API keys"
+            )
         await set_health(self.ctx, False)
-        self._grpc, self.grpc_port = build_grpc_server(self.ctx, cfg.host, cfg.grpc_port)
+        tls = cfg.tls()
+        self._grpc, self.grpc_port = build_grpc_server(self.ctx, cfg.host, cfg.grpc_port, tls)
         await self._grpc.start()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((cfg.host, cfg.http_port))
         self.http_port = sock.getsockname()[1]
+        ssl = {} if tls is None else {"ssl_certfile": cfg.tls_cert, "ssl_keyfile": cfg.tls_key}
         config = uvicorn.Config(
-            build_app(self.ctx), log_level="warning", lifespan="off", access_log=False
+            build_app(self.ctx), log_level="warning", lifespan="off", access_log=False, **ssl
         )
         self._http = _Uvicorn(config)
         self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
@@ -100,15 +131,23 @@ class Server:
             raise RuntimeError(f"the HTTP server did not start on {cfg.host}:{self.http_port}")
         if cfg.metrics_port is not None:
             registry = self.ctx.metrics.registry
+            tls_files = {} if tls is None else {"certfile": cfg.tls_cert, "keyfile": cfg.tls_key}
             self._metrics_httpd, _ = prom.start_http_server(
-                cfg.metrics_port, addr=cfg.host, registry=registry
+                cfg.metrics_port, addr=cfg.host, registry=registry, **tls_files
             )
             self.metrics_port = self._metrics_httpd.server_port
         log.info("gRPC on %s:%s, HTTP on %s:%s", cfg.host, self.grpc_port, cfg.host, self.http_port)
 
     async def attach(self, engine: EngineClient) -> None:
         """Serve ``engine`` (loaded and warm); from now on only the engine thread touches it."""
-        thread = EngineThread(engine, max_queue=self.config.max_queue, metrics=self.ctx.metrics)
+        cfg = self.config
+        thread = EngineThread(
+            engine,
+            max_queue=cfg.max_queue,
+            metrics=self.ctx.metrics,
+            stream_buffer=cfg.stream_buffer,
+            stream_stall_timeout=cfg.stream_stall_timeout,
+        )
         thread.start()
         self.ctx.engine_thread = thread
         await set_health(self.ctx, True)

@@ -84,8 +84,9 @@ VARIANTS = {
             pad_token_id=0,
         ),
     ),
-    # Fused qkv/gate_up, partial rotary, a window on every layer, LongRoPE (sequences here stay inside the original
-    # window, where HF uses the short factors; tests/test_rope.py checks the long ones).
+    # Fused qkv/gate_up, partial rotary, a window on every layer, LongRoPE (sequences here stay
+    # inside the original window, where HF uses the short factors; tests/test_rope.py checks the
+    # long ones).
     "phi3": (
         "Phi3Config",
         "Phi3ForCausalLM",
