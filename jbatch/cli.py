@@ -1,4 +1,5 @@
-"""The ``jbatch`` command line: ``generate``, ``make-tiny-model``, ``serve``, ``client``.
+"""The ``jbatch`` command line: ``generate``, ``make-tiny-model``, ``serve``, ``client``,
+``convert``.
 
 Engine flags map one to one onto :class:`EngineConfig` fields (``--max-slots`` -> max_slots),
 sampling flags onto :class:`SamplingParams` fields (those ``jbatch.sampling_surfaces`` exposes
@@ -172,6 +173,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(srv)
     _add_distributed_flags(srv)
 
+    _add_convert_parser(sub)
+
     cli = sub.add_parser(
         "client",
         help="stream a completion from a jbatch gRPC server",
@@ -211,6 +214,45 @@ def _serve(args: argparse.Namespace) -> int:
     if not Path(args.model).is_dir():
         raise FileNotFoundError(f"--model {args.model}: no such folder")
     return serve(lambda: LLM(args.model, **_engine_kwargs(args)).engine, config)
+
+
+def _add_convert_parser(sub) -> None:
+    from jbatch.engine.config import DTYPES
+    from jbatch.models.quant import QUANT_MODES
+
+    conv = sub.add_parser(
+        "convert",
+        help="write an orbax checkpoint that loads faster (and sharded) than the HF folder",
+        description="Convert a Hugging Face folder into a jbatch checkpoint: orbax params in "
+        "the engine's layout and dtype, with the tokenizer and config beside them. Then "
+        "`--model OUT_DIR` (or LLM(OUT_DIR)) restores it straight into the engine's shardings.",
+    )
+    conv.add_argument("hf_dir", metavar="HF_DIR")
+    conv.add_argument("out_dir", metavar="OUT_DIR")
+    conv.add_argument("--dtype", choices=DTYPES, default=None, help="default: as stored")
+    conv.add_argument("--quantization", choices=QUANT_MODES, default=None)
+    conv.add_argument("--quantize-lm-head", action="store_true")
+    conv.add_argument(
+        "--tp", type=int, default=1, help="read and write sharded over this many devices "
+        "(and replicate KV heads as this tp needs)"
+    )  # fmt: skip
+
+
+def _convert(args: argparse.Namespace) -> int:
+    import logging
+
+    from jbatch.converted import convert
+
+    log = logging.getLogger("jbatch")  # its own stderr handler: imports may own the root one
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[jbatch] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    kw = dict(dtype=args.dtype, quantization=args.quantization, tp=args.tp)
+    print(convert(args.hf_dir, args.out_dir, quantize_lm_head=args.quantize_lm_head, **kw))
+    return 0
 
 
 def _client(args: argparse.Namespace) -> int:
@@ -285,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "client":
             return _client(args)
+        if args.command == "convert":
+            return _convert(args)
         from jbatch.tiny_model import write_random_llama
 
         path = write_random_llama(

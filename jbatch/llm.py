@@ -10,7 +10,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from jbatch.checkpoint import load_generation_config, load_model
+from jbatch.checkpoint import load_generation_config
+from jbatch.converted import engine_config, load_weights
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.interface import StepFailed
 from jbatch.engine.llm_engine import LLMEngine
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class LLM:
-    """Load a local Hugging Face checkpoint folder and generate with continuous batching.
+    """Load a local Hugging Face checkpoint folder (or one written by ``jbatch convert``) and
+    generate with continuous batching.
 
     ``LLM(model_dir, max_slots=8, page_size=16, num_pages=512, max_num_batched_tokens=256,
     dtype="float32")``; any :class:`EngineConfig` field is a keyword. ``max_seq_len`` defaults
@@ -47,6 +49,7 @@ class LLM:
         if not Path(model).is_dir():
             raise FileNotFoundError(f"{model}: model directory not found")
         model_cfg = ModelConfig.from_file(Path(model) / "config.json")
+        self.config = engine_config(model, self.config)  # a converted checkpoint's quantization
         check_checkpoint(
             Path(model) / "config.json", self.config.weight_quant, model_cfg.num_experts
         )
@@ -64,7 +67,7 @@ class LLM:
                 eos_token_ids=sorted(eos), warmup=warmup,
             )  # fmt: skip
             return
-        _, params = load_model(model, dtype=self.config.dtype, quant=self.config.weight_quant)
+        params = load_weights(model, model_cfg, self.config)  # HF folder or `jbatch convert`
         self.engine = LLMEngine(model_cfg, params, self.config, tokenizer, sorted(eos), warmup)
 
     @property

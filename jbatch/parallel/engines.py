@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+from jbatch.converted import load_weights
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.engine_core import EngineCore
 from jbatch.engine.llm_engine import LLMEngine
 from jbatch.engine.sizing import resolve
 from jbatch.models.config import ModelConfig
 from jbatch.models.quant import ensure_quantized
-from jbatch.parallel.loading import load_params_sharded
 from jbatch.parallel.mesh import kv_replication, make_mesh, replica_meshes, sharded_model_config
 from jbatch.parallel.router import ReplicaRouter
 from jbatch.parallel.sharding import shard_params
@@ -45,7 +45,7 @@ def build_engines(
     engines = []
     for sub in replica_meshes(mesh):
         if model_dir is not None:
-            sharded = load_params_sharded(model_dir, model_cfg, sub, cfg.dtype, cfg.weight_quant)
+            sharded = load_weights(model_dir, model_cfg, cfg, sub)  # HF or converted folder
         else:
             sharded = shard_params(ensure_quantized(params, cfg.weight_quant), model_cfg, sub)
         core = EngineCore(scfg, cfg, sub)
