@@ -24,6 +24,7 @@ nbclient = pytest.importorskip("nbclient")
 
 import jbatch  # noqa: E402
 from jbatch.demo import demo_model_path  # noqa: E402
+from jbatch.project import repository_url  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -149,6 +150,10 @@ def test_colab_install_cell(name, checkout_git_url, tmp_path):
         text=True,
     )
     assert meta.strip() == jbatch.__version__  # the distribution is named jbatch-engine
+    if name == NAMES[0]:  # installed, jbatch.project reads the address from the metadata
+        show = "from jbatch.project import repository_url; print(repository_url())"
+        url = subprocess.check_output([str(python), "-c", show], cwd=tmp_path, env=env, text=True)
+        assert url.strip() == repository_url()
 
 
 @pytest.mark.parametrize("name", NAMES)
