@@ -8,6 +8,7 @@ Models: the built-in demo model and a 30-layer random model of SmolLM2-135M's sh
 weights (the HF path quantizes on the host while reading; the converted one stores int8).
 ``--tp N`` (with N devices; on CPU ``XLA_FLAGS=--xla_force_host_platform_device_count=N``)
 compares ``load_params_sharded`` with a restore into the mesh's shardings.
+``--rss safetensors|orbax``: peak host RSS of one load instead (one loader per process).
 Each time is the median of ``--reps`` loads in this process after one untimed load (the files
 are in the OS page cache: this measures the loaders, not the disk).
 """
@@ -17,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -75,6 +78,39 @@ def bench(name: str, hf_dir: Path, reps: int, work: Path, tp: int) -> list[dict]
     return rows
 
 
+def peak_rss(loader: str, tp: int) -> dict:
+    """Peak host RSS (above the process's start) of one load of the 30-layer model by
+    ``loader`` ("safetensors" or "orbax"), in a process of its own. On CPU the devices' memory
+    is host memory, so it includes the params themselves."""
+    hf_dir = Path(checkpoint_for("smollm2-135m"))
+    cfg = ModelConfig.from_file(hf_dir / "config.json")
+    mesh = None if tp == 1 else make_mesh(tp, 1)
+    out = Path(tempfile.mkdtemp()) / "conv"
+    if loader == "orbax":  # in a child: this process's high-water mark stays the restore's
+        cmd = [
+            sys.executable,
+            "-m",
+            "jbatch.cli",
+            "convert",
+            str(hf_dir),
+            str(out),
+            "--tp",
+            str(tp),
+        ]
+        subprocess.run(cmd, check=True, capture_output=True)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if loader == "orbax":
+        params = restore(out, cfg, "float32", mesh)
+    elif mesh is None:
+        params = load_params(hf_dir, cfg, "float32")
+    else:
+        params = load_params_sharded(hf_dir, cfg, mesh, "float32")
+    jax.block_until_ready(params)
+    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024  # KiB -> MiB
+    mb = sum(a.nbytes for a in jax.tree.leaves(params)) / 2**20
+    return dict(loader=loader, tp=tp, peak_rss_mib=round(peak), params_mib=round(mb))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
@@ -83,7 +119,16 @@ def main() -> int:
         "--tp", type=int, default=1, help="load sharded over this many devices (tp > 1: the "
         "30-layer model only; SmolLM2's 9 query / 3 KV heads split over tp=3)"
     )  # fmt: skip
+    ap.add_argument(
+        "--rss",
+        choices=("safetensors", "orbax"),
+        default=None,
+        help="only measure one loader's peak host RSS (run each in its own process)",
+    )
     args = ap.parse_args()
+    if args.rss:
+        print(peak_rss(args.rss, args.tp))
+        return 0
     models = {"demo": demo_model_path(), "smollm2-135m shape": checkpoint_for("smollm2-135m")}
     models = {k: v for k, v in models.items() if args.tp == 1 or k != "demo"}  # demo: 6 heads
     with tempfile.TemporaryDirectory() as work:
