@@ -161,6 +161,7 @@ def convert(
         kv_heads = sharded_model_config(cfg, tp).num_kv_heads
     t_read = time.perf_counter() - t0
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / META_FILE).unlink(missing_ok=True)  # written last: a failed rewrite is no checkpoint
     _save(out_dir / PARAMS_DIR, params)
     for name in BESIDE:
         if (hf_dir / name).is_file():
