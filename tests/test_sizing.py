@@ -66,8 +66,13 @@ def test_budget_sizes_the_pool_by_what_a_page_really_costs():
 
 def test_llm_with_no_options_takes_its_sizes_from_the_model(hf_checkpoint, caplog):
     path, _ = hf_checkpoint("llama")
-    with caplog.at_level(logging.INFO, logger="jbatch.engine.sizing"):
-        llm = LLM(path, warmup=False)
+    logger = logging.getLogger("jbatch.engine.sizing")
+    logger.addHandler(caplog.handler)  # direct: the CLI may have stopped jbatch's propagation
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            llm = LLM(path, warmup=False)
+    finally:
+        logger.removeHandler(caplog.handler)
     assert (llm.config.num_pages, llm.config.max_seq_len) == (512, 512)  # max_position_embeddings
     assert llm.engine.cfg == llm.config
     assert "max_seq_len=512 (from the model)" in caplog.text
