@@ -30,19 +30,17 @@ import orbax.checkpoint as ocp
 
 from jbatch.checkpoint import (
     _FLOAT_TAGS,
-    CheckpointError,
     Params,
     _flatten,
     _resolve_dtype,
     _weight_map,
-    expected_param_shapes,
     load_params,
-    weight_prefix,
 )
 from jbatch.engine.config import DTYPES, EngineConfig
 from jbatch.models.config import ModelConfig
 from jbatch.models.quant import QUANT_MODES, WeightQuant, check_checkpoint, weight_of
 from jbatch.models.quant import param_shapes as quant_param_shapes
+from jbatch.param_layout import CheckpointError, expected_param_shapes, weight_prefix
 
 META_FILE = "jbatch_checkpoint.json"
 PARAMS_DIR = "params"

@@ -15,9 +15,7 @@ import torch
 import transformers
 
 from jbatch.checkpoint import (
-    CheckpointError,
     GenerationConfig,
-    expected_param_shapes,
     load_generation_config,
     load_model,
     load_params,
@@ -25,6 +23,7 @@ from jbatch.checkpoint import (
     save_params,
 )
 from jbatch.models.config import ModelConfig
+from jbatch.param_layout import CheckpointError, expected_param_shapes
 
 TINY = dict(
     vocab_size=128,

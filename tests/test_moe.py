@@ -14,7 +14,6 @@ import safetensors.torch
 
 from jbatch import LLM, SamplingParams
 from jbatch.checkpoint import (
-    expected_param_shapes,
     load_model,
     load_params,
     restore_params,
@@ -24,6 +23,7 @@ from jbatch.models import moe
 from jbatch.models.config import ConfigError, ModelConfig
 from jbatch.models.llama import forward
 from jbatch.outputs import OutputKind
+from jbatch.param_layout import expected_param_shapes
 from tests.compile_counter import count_compiles
 from tests.hf_models import MOE_VARIANTS
 from tests.test_engine import assert_drained, assert_teacher_forced

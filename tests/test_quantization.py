@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from jbatch import LLM, EngineConfig, SamplingParams
-from jbatch.checkpoint import _LAYER_TENSORS, load_model, restore_params, save_params
+from jbatch.checkpoint import load_model, restore_params, save_params
 from jbatch.models import quant
 from jbatch.parallel.loading import params_bytes
+from jbatch.param_layout import _LAYER_TENSORS
 from tests.compile_counter import count_compiles
 from tests.test_engine import assert_drained, assert_teacher_forced
 from tests.test_model_vs_hf import PagedRunner, hf_logits, rel_err, scrambled_tables

@@ -91,10 +91,10 @@ class EngineCore:
         self.swapped_sharding = self.device
 
     def _jit_sharded(self, step_kwargs: dict) -> None:
-        from jbatch.checkpoint import expected_param_shapes
         from jbatch.parallel.attention import sharded_attention
         from jbatch.parallel.experts import sharded_experts
         from jbatch.parallel.sharding import param_shardings, replicated, state_shardings
+        from jbatch.param_layout import expected_param_shapes
 
         mesh, rep = self.mesh, replicated(self.mesh)
         self.device = rep

@@ -20,20 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jbatch.checkpoint import (
-    _FLOAT_TAGS,
-    _TOP_TENSORS,
-    CheckpointError,
-    Params,
-    Source,
-    _ordered,
-    _resolve_dtype,
-    _weight_map,
-    expected_param_shapes,
-    layer_sources,
-    top_name,
-    weight_prefix,
-)
+from jbatch.checkpoint import _FLOAT_TAGS, Params, _ordered, _resolve_dtype, _weight_map
 from jbatch.models.config import ModelConfig
 from jbatch.models.moe_config import mlp_groups
 from jbatch.models.quant import WeightQuant, contraction_axis, quantize, scale_key
@@ -41,6 +28,15 @@ from jbatch.models.quant import param_shapes as quant_param_shapes
 from jbatch.moe_checkpoint import read_param
 from jbatch.parallel.mesh import kv_replication, sharded_model_config
 from jbatch.parallel.sharding import TP, param_shardings
+from jbatch.param_layout import (
+    _TOP_TENSORS,
+    CheckpointError,
+    Source,
+    expected_param_shapes,
+    layer_sources,
+    top_name,
+    weight_prefix,
+)
 
 _KV_KEYS = ("wk", "wv", "bk", "bv")  # their scales follow the weights
 
