@@ -286,6 +286,17 @@ def test_int8_swap_and_prefix_cache_give_the_same_tokens(int8_runs):
     assert runs["swap_prefix"]["tokens"] == runs["plain"]["tokens"]
 
 
+def test_int8_batch_invariance(int8_runs):
+    """A prompt alone on the int8 engine gets the tokens it got in the batch: quantization is per
+    token and head, so a row's K/V never depends on its neighbours."""
+    runs, _, prompts = int8_runs
+    llm = runs["plain"]["llm"]
+    _, params = _workload()
+    for prompt, p, batched in zip(prompts, params, runs["plain"]["tokens"]):
+        alone = llm.generate([prompt], p, use_tqdm=False)[0].outputs[0].token_ids
+        assert alone == batched
+
+
 def test_int8_greedy_teacher_forced_agreement_with_hf(int8_runs):
     """Each generated token vs HF's float argmax given the same (generated) prefix."""
     runs, model, prompts = int8_runs
