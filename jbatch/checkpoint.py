@@ -286,6 +286,19 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def saved_tree(path: Path, ckptr: ocp.StandardCheckpointer) -> dict:
+    """The tree metadata (shapes, dtypes) of the orbax params checkpoint at ``path``."""
+    try:
+        meta = ckptr.metadata(path)
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable orbax checkpoint ({e})") from e
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{path}: not an orbax params checkpoint (no tree metadata)")
+    return dict(tree)
+
+
 def restore_params(
     path: str | Path, cfg: ModelConfig, dtype: str | jnp.dtype = "float32"
 ) -> Params:
@@ -298,15 +311,8 @@ def restore_params(
     expected = expected_param_shapes(cfg)
     ckptr = ocp.StandardCheckpointer()
     try:
-        try:
-            meta = ckptr.metadata(path)
-        except Exception as e:
-            raise CheckpointError(f"{path}: not a readable orbax checkpoint ({e})") from e
-        tree = getattr(meta, "item_metadata", meta)
-        tree = getattr(tree, "tree", tree)
-        if not isinstance(tree, dict):
-            raise CheckpointError(f"{path}: not an orbax params checkpoint (no tree metadata)")
-        saved = _flatten(dict(tree))
+        tree = saved_tree(path, ckptr)
+        saved = _flatten(tree)
         if any(weight_of(name) for name in saved):  # saved int8-quantized: keep it so
             head_scale = scale_key(head_key(expected))
             wq = WeightQuant(lm_head=head_scale in saved)

@@ -35,6 +35,7 @@ from jbatch.checkpoint import (
     _resolve_dtype,
     _weight_map,
     load_params,
+    saved_tree,
 )
 from jbatch.engine.config import DTYPES, EngineConfig
 from jbatch.models.config import ModelConfig
@@ -213,18 +214,6 @@ def _expected(meta: ConvertedMeta, cfg: ModelConfig) -> dict[str, tuple[int, ...
     return _flatten(shapes)
 
 
-def _saved_tree(path: Path, ckptr: ocp.StandardCheckpointer) -> dict:
-    try:
-        meta = ckptr.metadata(path)
-    except Exception as e:
-        raise CheckpointError(f"{path}: not a readable orbax checkpoint ({e})") from e
-    tree = getattr(meta, "item_metadata", meta)
-    tree = getattr(tree, "tree", tree)
-    if not isinstance(tree, dict):
-        raise CheckpointError(f"{path}: not an orbax params checkpoint (no tree metadata)")
-    return dict(tree)
-
-
 def restore(
     model_dir: str | Path, model_cfg: ModelConfig, dtype: str = "float32", mesh=None
 ) -> Params:
@@ -250,7 +239,7 @@ def restore(
     path = (model_dir / PARAMS_DIR).absolute()
     ckptr = ocp.StandardCheckpointer()
     try:
-        tree = _saved_tree(path, ckptr)
+        tree = saved_tree(path, ckptr)
         saved, want = _flatten(tree), _expected(meta, cfg)
         if set(saved) != set(want) or any(tuple(saved[k].shape) != want[k] for k in want):
             diff = sorted(k for k in set(saved) | set(want) if k not in saved or k not in want)
