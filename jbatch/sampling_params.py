@@ -69,6 +69,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = _field(False, "keep the matched stop string in the text")
     skip_special_tokens: bool = _field(True, "leave special tokens out of the text")
     logprobs: int | None = _field(None, "log-probabilities of this many top tokens per step")
+    prompt_logprobs: int | None = _field(
+        None, "log-probabilities of each prompt token and this many top tokens"
+    )
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -101,9 +104,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
         if max_tokens is not None and min_tokens > max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}")
-        logprobs = need_int("logprobs", optional=True)
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = need_int(name, optional=True)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be None or in [0, {MAX_LOGPROBS}], got {k}")
 
         # --- floats (ints accepted and converted) --------------------------------------------
         def need_real(name: str, ok: Callable[[float], bool], rule: str) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from jbatch.engine import buckets
+from collections.abc import Iterator
+
+from jbatch.engine import buckets, logprob_host
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.request import Request
-from jbatch.engine.scheduler import SchedulerOutput
+from jbatch.engine.scheduler import Chunk, SchedulerOutput
 from jbatch.engine.step_input import StepInput
 
 
@@ -18,6 +20,7 @@ def build_step_input(cfg: EngineConfig, core, sched: SchedulerOutput) -> StepInp
     for seq in sched.inserts:
         _fill_insert(cfg, inp.insert, seq)
     _fill_step(cfg, inp.batch, sched)
+    logprob_host.fill_step(inp.batch, sched, chunk_rows(sched.chunks, cfg.block_q))
     return inp
 
 
@@ -51,14 +54,21 @@ def _fill_step(cfg: EngineConfig, batch, sched: SchedulerOutput) -> None:
     ``block_q`` block, so a block never holds two sequences), page writes."""
     decodes = sorted(sched.decodes, key=_context_length, reverse=True)
     batch.decode_slots[: len(decodes)] = [seq.slot for seq in decodes]
-    r, bq = 0, cfg.block_q
-    for chunk in sched.chunks:
+    bq = cfg.block_q
+    for chunk, r in chunk_rows(sched.chunks, bq):
         n = len(chunk.token_ids)
         batch.prefill_tokens[r : r + n] = chunk.token_ids
         batch.prefill_slots[r : -(-(r + n) // bq) * bq] = chunk.seq.slot
         batch.prefill_positions[r : r + n] = range(chunk.start, chunk.start + n)
-        r += -(-n // bq) * bq
     if sched.page_writes:
         slots, index, pages = zip(*sched.page_writes)
         w = len(slots)
         batch.write_slots[:w], batch.write_index[:w], batch.write_pages[:w] = slots, index, pages
+
+
+def chunk_rows(chunks: list[Chunk], block_q: int) -> Iterator[tuple[Chunk, int]]:
+    """Each prompt chunk with its first row: chunks follow each other, each from a new block."""
+    r = 0
+    for chunk in chunks:
+        yield chunk, r
+        r += -(-len(chunk.token_ids) // block_q) * block_q

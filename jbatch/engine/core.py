@@ -26,6 +26,8 @@ from jaxtyping import Array, Bool, Float, Int32, Shaped
 
 from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
+from jbatch.engine.logprobs import TopLogprobs, pack, prompt_top_logprobs, sampled_top_logprobs
+from jbatch.engine.logprobs import unpack as unpack_logprobs
 from jbatch.engine.sampler import SlotSampling, sample
 from jbatch.engine.state import EngineState
 from jbatch.models.config import ModelConfig
@@ -77,6 +79,10 @@ class StepBatch:
     # Slots that may decode this step, padded with ``max_slots``; a slot decodes iff it is
     # listed here and ``decode_mask`` holds for it. Its length is a decode bucket.
     decode_slots: Int32[Array, " decode_rows"]
+    # Logprobs (``logprobs.py``): slots whose sampled token's top-k is wanted, and per prompt
+    # row the next prompt token whose logprob is wanted (-1: none).
+    want_top_logprobs: Bool[Array, " slots"]
+    prefill_targets: Int32[Array, " rows"]
 
     @classmethod
     def empty(cls, cfg: EngineConfig, rows: int = 0, decode_rows: int | None = None) -> StepBatch:
@@ -99,6 +105,8 @@ class StepBatch:
             write_index=np.zeros(w, np.int32),
             write_pages=np.zeros(w, np.int32),
             decode_slots=decode_slots.astype(np.int32),
+            want_top_logprobs=np.zeros(s, bool),
+            prefill_targets=np.full(rows, -1, np.int32),
         )
 
 
@@ -147,18 +155,22 @@ class StepOutput:
     tokens: Int32[Array, " slots"]  # sampled token per slot (valid where sampled)
     sampled: Bool[Array, " slots"]
     logprobs: Float[Array, " slots"]  # log-probability of the sampled token (raw model)
+    top: TopLogprobs  # per slot: the sampled token's rank and the top-k (``logprobs.py``)
+    prompt_top: TopLogprobs  # per prompt row: its target's logprob, rank and the top-k
 
-    def packed(self) -> Int32[Array, "3 slots"]:
-        """All three in one int32 array (one device-to-host copy): tokens, sampled, logprob
-        bits; :func:`unpack_output` reads it on the host."""
+    def packed(self) -> Int32[Array, " n"]:
+        """Everything in one flat int32 array (one device-to-host copy): tokens, sampled,
+        logprob bits, then the top logprobs; :func:`unpack_output` reads it on the host."""
         bits = jax.lax.bitcast_convert_type(self.logprobs.astype(jnp.float32), jnp.int32)
-        return jnp.stack([self.tokens, self.sampled.astype(jnp.int32), bits])
+        head = jnp.stack([self.tokens, self.sampled.astype(jnp.int32), bits])
+        return pack(head, self.top, self.prompt_top)
 
 
-def unpack_output(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Host side of :meth:`StepOutput.packed`: (tokens [S], sampled [S], logprobs [S])."""
-    packed = np.asarray(packed)
-    return packed[0], packed[1].astype(bool), packed[2].view(np.float32)
+def unpack_output(packed: np.ndarray, slots: int):
+    """Host side of :meth:`StepOutput.packed`: (tokens [S], sampled [S], logprobs [S], top
+    logprobs per slot, top logprobs per prompt row) — numpy views."""
+    head, top, prompt_top = unpack_logprobs(packed, slots)
+    return head[0], head[1].astype(bool), head[2].view(np.float32), top, prompt_top
 
 
 def insert(state: EngineState, ins: SlotInsert) -> EngineState:
@@ -267,10 +279,16 @@ def step(
     done_slot = jnp.where(block_done.any(axis=1), p_slot[block_q * jnp.arange(nb)], s)  # [NB]
     slot_row = slot_row.at[done_slot].set(bd + jnp.arange(nb, dtype=jnp.int32), mode="drop")
     sampled = decode.at[done_slot].set(True, mode="drop")
-    logits = compute_logits(params, hidden[head_rows], model_cfg)[slot_row]  # [S, V]
-    for sharding in logits_shardings:
-        logits = jax.lax.with_sharding_constraint(logits, sharding)
+    def constrained(logits: Float[Array, "n vocab"]) -> Float[Array, "n vocab"]:
+        for sharding in logits_shardings:
+            logits = jax.lax.with_sharding_constraint(logits, sharding)
+        return logits
+
+    head = lambda h: constrained(compute_logits(params, h, model_cfg))  # [n, E] -> [n, V]
+    logits = constrained(compute_logits(params, hidden[head_rows], model_cfg)[slot_row])  # [S, V]
     new_tok, logprobs = sample(logits, state.sampling, state.num_generated, prompt_mask, counts)
+    top = sampled_top_logprobs(logits, new_tok, batch.want_top_logprobs)
+    prompt_top = prompt_top_logprobs(head, hidden[bd:], batch.prefill_targets, block_q)
 
     seq_lens = jnp.where(decode, state.seq_lens + 1, state.seq_lens)
     seq_lens = seq_lens.at[jnp.where(p_valid, p_slot, s)].max(p_pos + 1, mode="drop")
@@ -284,7 +302,8 @@ def step(
         prompt_mask=prompt_mask,
         output_counts=counts,
     )
-    return new_state, StepOutput(tokens=new_tok, sampled=sampled, logprobs=logprobs)
+    out = StepOutput(new_tok, sampled, logprobs, top, prompt_top)
+    return new_state, out
 
 
 def engine_step(

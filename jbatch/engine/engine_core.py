@@ -2,8 +2,8 @@
 
 One engine step is **one dispatch**: ``core.engine_step`` (release, insert, step) compiled per
 (prefill bucket, decode bucket) pair, fed by one packed :class:`StepInput` (``step_input.py``),
-returning the new state and one packed ``[3, slots]`` int32 result (tokens, sampled flags,
-logprob bits) whose device-to-host copy starts right after dispatch. Swaps stay separate
+returning the new state and one packed flat int32 result (tokens, sampled flags, logprob bits,
+top logprobs: ``logprobs.pack``) whose device-to-host copy starts right after dispatch. Swaps stay separate
 programs that run only on the steps that swap.
 """
 
@@ -22,6 +22,7 @@ from jaxtyping import Array, Int32
 from jbatch.engine import swap
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import engine_step, unpack_output
+from jbatch.engine.logprobs import HostTopLogprobs
 from jbatch.engine.state import EngineState, init_state
 from jbatch.engine.step_input import StepInput, StepInputLayout, all_layouts
 from jbatch.models.config import ModelConfig
@@ -34,6 +35,8 @@ class StepResult:
     tokens: np.ndarray
     sampled: np.ndarray
     logprobs: np.ndarray
+    top: HostTopLogprobs | None = None  # per slot (``logprobs.py``; None: a stand-in core)
+    prompt_top: HostTopLogprobs | None = None  # per prompt-chunk row
 
 
 @dataclasses.dataclass
@@ -160,7 +163,7 @@ class EngineCore:
 
     def fetch(self, pending: _Pending) -> StepResult:
         """Wait for a dispatched step's results."""
-        result = StepResult(*unpack_output(pending.local))
+        result = StepResult(*unpack_output(pending.local, self.cfg.max_slots))
         # Its input may be recycled only once *every* device has finished the step: one
         # device's copy of the result can be ready while another still reads the input.
         jax.block_until_ready(pending.packed)
@@ -219,8 +222,8 @@ class _Pending:
     the host reads (its transfer to the host under way)."""
 
     index: int
-    packed: Int32[Array, "3 slots"]
-    local: Int32[Array, "3 slots"]
+    packed: Int32[Array, " n"]
+    local: Int32[Array, " n"]
 
 
 def _key_of(inp: StepInput) -> tuple[int, int]:

@@ -30,7 +30,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from jbatch.engine import batch_builder, stop_checker
+from jbatch.engine import batch_builder, logprob_host, stop_checker
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.engine_core import EngineCore
 from jbatch.engine.interface import EngineStats, StepFailed
@@ -87,6 +87,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._failures = 0  # consecutive failed steps
         self.counters: collections.Counter = collections.Counter()  # see EngineStats
+        self._token_texts = logprob_host.TokenTexts(tokenizer)  # Logprob.decoded_token
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -122,8 +123,6 @@ class LLMEngine:
             )
         if params.min_tokens:
             raise ValueError(f"min_tokens={params.min_tokens} is not supported yet")
-        if params.logprobs:
-            raise ValueError(f"logprobs={params.logprobs}: only the sampled token's logprob (0)")
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
@@ -262,6 +261,8 @@ class LLMEngine:
         if not sched.samplers:
             return []
         tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
+        if sched.prompt_logprob_rows:
+            logprob_host.read_prompt(sched.prompt_logprob_rows, result.prompt_top, self._token_texts)
         now = time.monotonic()
         results = []
         for seq, slot in sched.samplers:
@@ -270,6 +271,9 @@ class LLMEngine:
                 continue  # finished by an earlier step's token, or aborted
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if seq.params.logprobs is not None:
+                lp = (tokens[slot], logprobs[slot], result.top, self._token_texts)
+                logprob_host.read_token(seq, slot, *lp)
             done = stop_checker.append_token(seq, tokens[slot], logprobs[slot])
             if done is not None:
                 self.scheduler.finish(seq, *done)
@@ -292,11 +296,19 @@ class LLMEngine:
             text, ids, logprobs = delta_text, seq.output_ids[-1:], seq.logprobs[-1:]
         completion = CompletionOutput(
             0, text, ids, seq.cumulative_logprob, logprobs, seq.finish_reason, seq.stop_reason,
-            len(seq.output_ids),
+            len(seq.output_ids), self._top_logprobs(seq, len(ids)),
         )  # fmt: skip
         return RequestOutput(
-            seq.request_id, seq.prompt, seq.prompt_ids, [completion], finished, self._metrics(seq)
-        )
+            seq.request_id, seq.prompt, seq.prompt_ids, [completion], finished, self._metrics(seq),
+            prompt_logprobs=logprob_host.prompt_logprobs_to_send(seq),
+        )  # fmt: skip
+
+    @staticmethod
+    def _top_logprobs(seq: Request, n: int) -> list | None:
+        """The top logprobs of ``seq``'s last ``n`` tokens (None: the request has none)."""
+        if seq.params.logprobs is None:
+            return None
+        return seq.top_logprobs[len(seq.top_logprobs) - n :]
 
     @staticmethod
     def _metrics(seq: Request) -> dict[str, float]:

@@ -44,6 +44,13 @@ class Request:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # Logprobs (``logprob_host.py``): per output token (``params.logprobs`` set); per prompt
+    # token (``params.prompt_logprobs`` set: None for the first), the next one to ask the
+    # device for, and whether they were sent.
+    top_logprobs: list[dict] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[dict | None] | None = None
+    prompt_logprobs_asked: int = 1
+    prompt_logprobs_sent: bool = False
     # Detokenized output not streamed yet: bounded by the longest stop string (held back in
     # case it grows into one) plus the newest token's text. Streamed text is not kept, except
     # for FINAL outputs, whose chunks are joined once at the end.
@@ -70,6 +77,10 @@ class Request:
     # pages are registered in the prefix cache.
     page_hash_chain: list[bytes] = dataclasses.field(default_factory=list, repr=False)
     registered_pages: int = 0
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def uses_penalties(self) -> bool:

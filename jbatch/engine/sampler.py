@@ -83,6 +83,13 @@ def _tree_sum(x: Float[Array, "*b n"]) -> Float[Array, "*b"]:
     return x[..., 0]
 
 
+def log_normalizer(logits: Float[Array, "n vocab"]) -> Float[Array, " n"]:
+    """Per row ``logsumexp`` (a fixed summation order): ``logits - it`` is the raw model's
+    ``log_softmax``, for the chosen token here and the top-k logprobs (``logprobs.py``)."""
+    row_max = jnp.max(logits, axis=-1)  # [n]
+    return row_max + jnp.log(_tree_sum(jnp.exp(logits - row_max[:, None])))
+
+
 def _cumsum(x: Float[Array, "*b n"]) -> Float[Array, "*b n"]:
     """Inclusive prefix sum over the last axis from elementwise adds only (batch-invariant)."""
     shift = 1
@@ -259,7 +266,6 @@ def sample(
         lambda: greedy_tok,
         lambda: jnp.where(greedy, greedy_tok, _random_tokens(x, sp, step_index, greedy)),
     )  # [S]
-    row_max = jnp.max(logits, axis=-1)  # [S]
-    lse = row_max + jnp.log(_tree_sum(jnp.exp(logits - row_max[:, None])))  # [S]
+    lse = log_normalizer(logits)  # [S]
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse  # [S]
     return tokens, jnp.where(jnp.isnan(chosen), -jnp.inf, chosen)

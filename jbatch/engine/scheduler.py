@@ -58,6 +58,11 @@ class SchedulerOutput:
     # (sequence, slot) of every sequence that receives a token from this step; the slot is kept
     # because a preemption may take it from the sequence before the token is read.
     samplers: list[tuple[Request, int]] = dataclasses.field(default_factory=list)
+    # Prompt rows whose logprobs this step computes (seq, first row, first prompt index, rows),
+    # listed by ``logprob_host.fill_step``.
+    prompt_logprob_rows: list[tuple[Request, int, int, int]] = dataclasses.field(
+        default_factory=list
+    )
 
     @property
     def empty(self) -> bool:
@@ -154,8 +159,10 @@ class Scheduler:
     # ---- prefix cache --------------------------------------------------------------------------
     def _cacheable(self, seq: Request) -> bool:
         # Penalties need every prompt/output token to pass through the step (prompt mask and
-        # output counts live on the device), so such requests do not *reuse* cached pages.
-        return self.cfg.enable_prefix_caching and not seq.uses_penalties
+        # output counts live on the device), prompt logprobs every prompt row's logits, so such
+        # requests do not *reuse* cached pages.
+        no_reuse = seq.uses_penalties or seq.params.prompt_logprobs is not None
+        return self.cfg.enable_prefix_caching and not no_reuse
 
     def _register_full_pages(self, seq: Request, upto: int) -> None:
         """Name every full page of ``seq`` holding stream tokens < ``upto`` in the prefix cache
