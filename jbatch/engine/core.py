@@ -279,6 +279,7 @@ def step(
     done_slot = jnp.where(block_done.any(axis=1), p_slot[block_q * jnp.arange(nb)], s)  # [NB]
     slot_row = slot_row.at[done_slot].set(bd + jnp.arange(nb, dtype=jnp.int32), mode="drop")
     sampled = decode.at[done_slot].set(True, mode="drop")
+
     def constrained(logits: Float[Array, "n vocab"]) -> Float[Array, "n vocab"]:
         for sharding in logits_shardings:
             logits = jax.lax.with_sharding_constraint(logits, sharding)

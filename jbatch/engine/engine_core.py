@@ -3,8 +3,8 @@
 One engine step is **one dispatch**: ``core.engine_step`` (release, insert, step) compiled per
 (prefill bucket, decode bucket) pair, fed by one packed :class:`StepInput` (``step_input.py``),
 returning the new state and one packed flat int32 result (tokens, sampled flags, logprob bits,
-top logprobs: ``logprobs.pack``) whose device-to-host copy starts right after dispatch. Swaps stay separate
-programs that run only on the steps that swap.
+top logprobs: ``logprobs.pack``) whose device-to-host copy starts right after dispatch. Swaps
+stay separate programs that run only on the steps that swap.
 """
 
 from __future__ import annotations

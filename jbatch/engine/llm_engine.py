@@ -262,7 +262,8 @@ class LLMEngine:
             return []
         tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
         if sched.prompt_logprob_rows:
-            logprob_host.read_prompt(sched.prompt_logprob_rows, result.prompt_top, self._token_texts)
+            rows = sched.prompt_logprob_rows
+            logprob_host.read_prompt(rows, result.prompt_top, self._token_texts)
         now = time.monotonic()
         results = []
         for seq, slot in sched.samplers:

@@ -59,7 +59,7 @@ class TopLogprobs:
 def top_logprobs(logits: Float[Array, "n vocab"], token: Int32[Array, " n"]) -> TopLogprobs:
     """``token``'s logprob and rank, and the top ``K``, of each row of ``log_softmax(logits)``."""
     logits = logits.astype(jnp.float32)
-    n, vocab = logits.shape
+    vocab = logits.shape[1]
     lse = log_normalizer(logits)  # [n]
     values, ids = jax.lax.top_k(logits, min(K, vocab))  # [n, k] highest first, ties: lower id
     if vocab < K:  # tiny vocabularies: pad to the fixed width
@@ -152,7 +152,8 @@ def unpack(packed: np.ndarray, slots: int):
     per_slot = packed[at : at + slots * (1 + 2 * K)].reshape(slots, 1 + 2 * K)
     per_row = packed[at + slots * (1 + 2 * K) :].reshape(-1, 2 + 2 * K)
     f32 = lambda a: a.view(np.float32)
-    sampled = HostTopLogprobs(None, per_slot[:, 0], per_slot[:, 1 : 1 + K], f32(per_slot[:, 1 + K :]))
+    top_ids, top_values = per_slot[:, 1 : 1 + K], f32(per_slot[:, 1 + K :])
+    sampled = HostTopLogprobs(None, per_slot[:, 0], top_ids, top_values)
     prompt = HostTopLogprobs(
         f32(per_row[:, 0]), per_row[:, 1], per_row[:, 2 : 2 + K], f32(per_row[:, 2 + K :])
     )
