@@ -54,16 +54,19 @@ SURFACE_RULES: dict[str, dict[str, Rule]] = {
     "cli": {
         "n": hidden("one completion per prompt is printed; a server runs one sequence a request"),
         "logprobs": hidden("the CLI prints text, not log-probabilities"),
+        "prompt_logprobs": hidden("the CLI prints text, not log-probabilities"),
         "max_tokens": Rule("a longer default than 16 to see what a model writes", default=64),
         "temperature": Rule("greedy by default: one command, one output", default=0.0),
     },
     "grpc": {
         "n": hidden("proto field 1 is reserved: the server runs one sequence per request"),
-        "logprobs": hidden("GenerateResponse carries no log-probabilities"),
     },
     "http": {
         "n": hidden("declared by the request models, which reject n != 1 (one choice a request)"),
-        "logprobs": hidden("declared by CompletionRequest, which rejects it: choices carry none"),
+        "logprobs": hidden(
+            "declared by the request models in OpenAI's forms: completions take an int, chat "
+            "`logprobs: true` with `top_logprobs`"
+        ),
     },
 }
 

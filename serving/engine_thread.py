@@ -312,6 +312,8 @@ class EngineThread:
                 stop_reason=completion.stop_reason if out.finished else None,
                 prompt_tokens=len(out.prompt_token_ids),
                 completion_tokens=completion.num_tokens,
+                top_logprobs=completion.top_logprobs,
+                prompt_logprobs=out.prompt_logprobs,
             ),
             now,
         )

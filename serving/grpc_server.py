@@ -10,6 +10,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jbatch.outputs import TopLogprobs
+from jbatch.sampling_params import SamplingParams
 from serving.context import ServingContext
 from serving.engine_thread import Delta
 from serving.errors import ServingError, Status
@@ -31,8 +33,35 @@ _FINISH = {
 }
 
 
-def response_from_delta(request_id: str, delta: Delta) -> pb.GenerateResponse:
+def _position(token: int | None, entries: TopLogprobs | None, k: int | None) -> pb.PositionLogprobs:
+    """One position's logprobs: the token there (when known) and the first ``k`` entries."""
+    msg = pb.PositionLogprobs()
+    if entries is None:
+        return msg  # the first prompt token: nothing precedes it
+    one = lambda t, lp: pb.TokenLogprob(
+        token_id=t, logprob=lp.logprob, rank=lp.rank or 0, token=lp.decoded_token or ""
+    )
+    if token in entries:
+        msg.token.CopyFrom(one(token, entries[token]))
+    msg.top.extend(one(t, lp) for t, lp in list(entries.items())[:k])
+    return msg
+
+
+def response_from_delta(
+    request_id: str, delta: Delta, params: SamplingParams | None = None, prompt=()
+) -> pb.GenerateResponse:
+    """``params`` / ``prompt``: the request's, for its logprobs (none without them)."""
     resp = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text)
+    if params is not None and delta.top_logprobs is not None:
+        k = params.logprobs
+        resp.logprobs.extend(
+            _position(t, e, k) for t, e in zip(delta.token_ids, delta.top_logprobs)
+        )
+    if params is not None and delta.prompt_logprobs is not None:
+        k = params.prompt_logprobs
+        resp.prompt_logprobs.extend(
+            _position(t, e, k) for t, e in zip(prompt, delta.prompt_logprobs)
+        )
     if delta.finished:
         resp.finish_reason = _FINISH.get(delta.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
         if isinstance(delta.stop_reason, str):
@@ -91,7 +120,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 except ServingError as e:
                     await context.abort(e.status.grpc_code, e.message)
                 tokens += len(delta.token_ids)
-                yield response_from_delta(request.request_id, delta)
+                yield response_from_delta(request.request_id, delta, params, prompt)
         finally:
             stream.abort()  # client cancelled / went away: free the slot (no-op when finished)
 

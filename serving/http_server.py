@@ -3,8 +3,10 @@ and Prometheus ``/metrics``.
 
 Beyond OpenAI's fields, requests accept every other SamplingParams field the ``http`` surface of
 ``jbatch.sampling_surfaces`` exposes (``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``, ...) and ``priority``; every choice carries the generated
-``token_ids``. Text prompts are tokenized here, so the engine thread receives token ids.
+``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs``, ...) and ``priority``; every choice
+carries the generated ``token_ids``. Logprobs come in OpenAI's shapes
+(``serving/openai_logprobs.py``). Text prompts are tokenized here, so the engine thread
+receives token ids.
 Errors are ``{"error": {"message", "type", "code"}}`` with the HTTP status of
 :class:`serving.errors.Status`.
 """
@@ -24,13 +26,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, create_model
 from starlette.exceptions import HTTPException
 
-from jbatch.sampling_params import SamplingParams
+from jbatch.sampling_params import MAX_LOGPROBS, SamplingParams
 from jbatch.sampling_surfaces import SurfaceField, surface_fields
 from serving.chat_template import render_chat
 from serving.context import ServingContext
 from serving.engine_thread import Delta, RequestStream
 from serving.errors import ServingError, Status
 from serving.http_guard import HttpGuard, error_body
+from serving.openai_logprobs import LogprobFormatter
 from serving.tenant import http_tenant
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is there
@@ -59,7 +62,11 @@ class _RequestFields(BaseModel):
         for field in self.sampling_fields:
             value = getattr(self, field.surface_name)
             kwargs[field.name] = field.default if value is None else value
-        return self.params_cls(**kwargs)
+        return self.params_cls(**kwargs, **self.logprob_params())
+
+    def logprob_params(self) -> dict[str, Any]:
+        """SamplingParams fields the endpoint takes in its own (OpenAI) form."""
+        return {}
 
 
 def _json_type(field: SurfaceField) -> Any:
@@ -92,13 +99,32 @@ _SamplingFields = sampling_request_model()
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = None  # top logprobs per token; with echo, of the prompt's too
+
+    def logprob_params(self) -> dict[str, Any]:
+        if self.logprobs is None:
+            return {}
+        if self.echo and self.prompt_logprobs is None:
+            return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs}
+        return {"logprobs": self.logprobs}
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins
+    logprobs: bool = False
+    top_logprobs: int | None = None  # with logprobs: this many top tokens per token
+
+    def logprob_params(self) -> dict[str, Any]:
+        k = self.top_logprobs
+        if not self.logprobs:
+            if k is not None:
+                raise ValueError(f"top_logprobs={k} needs logprobs: true")
+            return {}
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {k}")
+        return {"logprobs": 0 if k is None else k}
 
 
 def _error(status: Status, message: str) -> JSONResponse:
@@ -164,9 +190,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
                 msg = f"prompt: one prompt per request, got a list of {len(prompt)}"
                 return _fail(ctx, Status.INVALID_ARGUMENT, msg)
             prompt = prompt[0]
-        if req.echo or req.logprobs:
-            return _fail(ctx, Status.INVALID_ARGUMENT, "echo / logprobs are not supported")
-        return await _generate(ctx, req, prompt, chat=False, raw=raw)
+        return await _generate(ctx, req, prompt, chat=False, raw=raw, echo=req.echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
@@ -201,14 +225,26 @@ def _fail(ctx: ServingContext, status: Status, message: str) -> JSONResponse:
 
 
 async def _generate(
-    ctx: ServingContext, req: _SamplingFields, prompt: str | list[int], chat: bool, raw: Request
+    ctx: ServingContext,
+    req: _SamplingFields,
+    prompt: str | list[int],
+    chat: bool,
+    raw: Request,
+    echo: bool = False,
 ) -> Response:
     try:
         params = req.sampling_params()
         thread = ctx.engine_thread_or_raise()
+        text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str):
             prompt = await ctx.encode_prompt(prompt)  # the engine thread gets token ids only
         ctx.check_limits(prompt, params)
+        if echo and text is None:
+            text = "" if ctx.tokenizer is None else ctx.tokenizer.decode(prompt)
+        fmt = LogprobFormatter(
+            ctx.tokenizer, chat, params.logprobs, (text, prompt) if echo else None,
+            params.prompt_logprobs,
+        )  # fmt: skip
         tenant = http_tenant(raw.headers, req.user)
         stream = thread.submit(prompt, params, req.priority, tenant=tenant)
     except ValueError as e:
@@ -229,23 +265,25 @@ async def _generate(
         raise
     if req.stream:
         include_usage = bool((req.stream_options or {}).get("include_usage"))
-        body = _stream_body(stream, first, meta, chat, include_usage)
+        body = _stream_body(stream, first, meta, fmt, include_usage)
         return StreamingResponse(body, media_type="text/event-stream")
-    return await _collect(stream, first, meta, chat, raw)
+    return await _collect(stream, first, meta, fmt, raw)
 
 
-def _choice(delta: Delta, chat: bool, streaming: bool, first: bool) -> dict[str, Any]:
+def _choice(delta: Delta, fmt: LogprobFormatter, streaming: bool, first: bool) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0}
-    if chat:
+    text = fmt.text(delta.text, first)
+    if fmt.chat:
         if streaming:
-            choice["delta"] = (
-                {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
-            )
+            choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
-            choice["message"] = {"role": "assistant", "content": delta.text}
+            choice["message"] = {"role": "assistant", "content": text}
     else:
-        choice["text"] = delta.text
-        choice["logprobs"] = None
+        choice["text"] = text
+    prompt = delta.prompt_logprobs if first else None
+    choice["logprobs"] = fmt.choice_logprobs(delta.token_ids, delta.top_logprobs, prompt)
+    if first and fmt.prompt_k is not None:
+        choice["prompt_logprobs"] = fmt.prompt_logprobs(delta.prompt_logprobs)
     choice["token_ids"] = delta.token_ids
     choice["finish_reason"] = delta.finish_reason
     if delta.finished:
@@ -262,15 +300,16 @@ def _usage(delta: Delta) -> dict[str, int]:
 
 
 async def _stream_body(
-    stream: RequestStream, first: Delta, meta: dict, chat: bool, include_usage: bool
+    stream: RequestStream, first: Delta, meta: dict, fmt: LogprobFormatter, include_usage: bool
 ) -> AsyncIterator[bytes]:
+    chat = fmt.chat
     kind: Literal["chat.completion.chunk", "text_completion"] = (
         "chat.completion.chunk" if chat else "text_completion"
     )
     delta, is_first = first, True
     try:
         while True:
-            chunk = {**meta, "object": kind, "choices": [_choice(delta, chat, True, is_first)]}
+            chunk = {**meta, "object": kind, "choices": [_choice(delta, fmt, True, is_first)]}
             yield _sse(chunk)
             is_first = False
             if delta.finished:
@@ -296,7 +335,7 @@ async def _rest(stream: RequestStream, first: Delta) -> list[Delta]:
 
 
 async def _collect(
-    stream: RequestStream, first: Delta, meta: dict, chat: bool, raw: Request
+    stream: RequestStream, first: Delta, meta: dict, fmt: LogprobFormatter, raw: Request
 ) -> Response:
     """Gather a whole completion; a client that disconnects meanwhile aborts the request."""
     task = asyncio.ensure_future(_rest(stream, first))
@@ -319,11 +358,18 @@ async def _collect(
         stop_reason=last.stop_reason,
         prompt_tokens=last.prompt_tokens,
         completion_tokens=last.completion_tokens,
+        top_logprobs=_joined_top_logprobs(deltas),
+        prompt_logprobs=first.prompt_logprobs,
     )
     body = {
         **meta,
-        "object": "chat.completion" if chat else "text_completion",
-        "choices": [_choice(whole, chat, False, True)],
+        "object": "chat.completion" if fmt.chat else "text_completion",
+        "choices": [_choice(whole, fmt, False, True)],
         "usage": _usage(whole),
     }
     return JSONResponse(body)
+
+
+def _joined_top_logprobs(deltas: list[Delta]) -> list | None:
+    tops = [d.top_logprobs for d in deltas if d.top_logprobs is not None]
+    return [t for top in tops for t in top] if tops else None

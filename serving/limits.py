@@ -72,6 +72,8 @@ class RequestLimits:
         _at_most("stop_token_ids", len(params.stop_token_ids), "max_stop_token_ids", limits)
         if params.logprobs is not None:
             _at_most("top_logprobs", params.logprobs, "max_top_logprobs", limits)
+        if params.prompt_logprobs is not None:
+            _at_most("prompt_logprobs", params.prompt_logprobs, "max_top_logprobs", limits)
 
 
 def _at_most(what: str, value: int, limit: str, limits: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 from typing import Protocol
 
+from jbatch.outputs import TopLogprobs
 from serving.errors import ServingError
 
 
@@ -29,6 +30,8 @@ class Delta:
     stop_reason: int | str | None = None  # the stop token id / stop string that matched
     prompt_tokens: int = 0
     completion_tokens: int = 0  # generated so far, this delta included
+    top_logprobs: list[TopLogprobs] | None = None  # per token, when the request asked
+    prompt_logprobs: list[TopLogprobs | None] | None = None  # on the first delta that has them
 
     @property
     def finished(self) -> bool:
@@ -36,8 +39,15 @@ class Delta:
 
     def then(self, later: Delta) -> Delta:
         """This delta followed by ``later``, as one."""
+        top = self.top_logprobs
+        if later.top_logprobs is not None:
+            top = later.top_logprobs if top is None else top + later.top_logprobs
         return dataclasses.replace(
-            later, token_ids=self.token_ids + later.token_ids, text=self.text + later.text
+            later,
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            top_logprobs=top,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
         )
 
 
