@@ -16,6 +16,7 @@ from serving.context import ServingContext
 from serving.engine_thread import Delta
 from serving.errors import ServingError, Status
 from serving.grpc_guard import GrpcGuard
+from serving.openai_logprobs import top_k
 from serving.proto.jbatch.v1 import generation_pb2 as pb
 from serving.proto.jbatch.v1 import generation_pb2_grpc as pb_grpc
 from serving.sampling_proto import sampling_params_from_proto
@@ -43,7 +44,7 @@ def _position(token: int | None, entries: TopLogprobs | None, k: int | None) -> 
     )
     if token in entries:
         msg.token.CopyFrom(one(token, entries[token]))
-    msg.top.extend(one(t, lp) for t, lp in list(entries.items())[:k])
+    msg.top.extend(one(t, lp) for t, lp in top_k(entries, k))
     return msg
 
 
