@@ -62,7 +62,7 @@ class _RequestFields(BaseModel):
         for field in self.sampling_fields:
             value = getattr(self, field.surface_name)
             kwargs[field.name] = field.default if value is None else value
-        return self.params_cls(**kwargs, **self.logprob_params())
+        return self.params_cls(**{**kwargs, **self.logprob_params()})
 
     def logprob_params(self) -> dict[str, Any]:
         """SamplingParams fields the endpoint takes in its own (OpenAI) form."""

@@ -244,7 +244,7 @@ def test_proto_mapping_round_trip_and_defaults():
         temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, repetition_penalty=1.2,
         presence_penalty=0.3, frequency_penalty=-0.4, seed=11, max_tokens=33, min_tokens=2,
         stop=["x", "yz"], stop_token_ids=[4], ignore_eos=True, include_stop_str_in_output=True,
-        skip_special_tokens=False,
+        skip_special_tokens=False, logprobs=2, prompt_logprobs=0,
     )  # fmt: skip
     assert all(  # every exposed field differs from its default, so the round trip tests it
         getattr(params, f.name) != getattr(SamplingParams(), f.name) for f in surface_fields("grpc")
@@ -254,7 +254,7 @@ def test_proto_mapping_round_trip_and_defaults():
     assert sampling_params_from_proto(pb.SamplingParams(max_tokens=5)).temperature == 1.0
     with pytest.raises(ValueError, match="min_p"):
         sampling_params_from_proto(pb.SamplingParams(min_p=2.0))
-    for hidden_value in (dict(n=2), dict(logprobs=3)):
+    for hidden_value in (dict(n=2),):
         with pytest.raises(ValueError, match=f"{next(iter(hidden_value))}=.*grpc"):
             sampling_params_to_proto(SamplingParams(**hidden_value))
 
@@ -279,7 +279,7 @@ def test_http_models_follow_the_fields():
         ({"prompt": "hi", "min_tokens": "many"}, "min_tokens"),
         ({"prompt": "hi", "stop_token_ids": [1, "x"]}, "stop_token_ids"),
         ({"prompt": "hi", "n": 2}, "n must be 1"),
-        ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ],
 )
 def test_http_bad_value_is_400_naming_the_field(body, needle):

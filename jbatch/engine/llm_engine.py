@@ -258,12 +258,12 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.core.fetch(handle)
         self.counters["device_wait_seconds"] += time.perf_counter() - t0
-        if not sched.samplers:
-            return []
-        tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
         if sched.prompt_logprob_rows:
             rows = sched.prompt_logprob_rows
             logprob_host.read_prompt(rows, result.prompt_top, self._token_texts)
+        if not sched.samplers:
+            return []
+        tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
         now = time.monotonic()
         results = []
         for seq, slot in sched.samplers:
