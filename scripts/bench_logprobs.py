@@ -13,6 +13,11 @@ Workloads: ``plain`` (no request asks: the cheap path; run by both engines), ``t
 request ``logprobs=5``) and ``prompt`` (every request ``logprobs=5, prompt_logprobs=5``: the LM
 head on every prompt row). Repetitions are interleaved (before/plain, after/plain, after/top,
 after/prompt, then again; one engine computes at a time); medians are reported.
+
+Whole batches on a shared 2-core machine are noisy, so each repetition also times every step
+program alone (an empty step input: the same compute, no request asks), ``STEP_CALLS`` calls per
+bucket pair, before and after interleaved; per bucket the median over repetitions of each
+repetition's median is reported.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ ENGINE = dict(
     max_slots=16, page_size=16, num_pages=512, max_seq_len=256, max_num_batched_tokens=256
 )
 REQUESTS, OUTPUT_TOKENS = 64, 32
+STEP_CALLS = 20
 RUNS = (("before", "plain"), ("after", "plain"), ("after", "top"), ("after", "prompt"))
 
 
@@ -60,6 +66,9 @@ def worker(model: str) -> None:
         cmd = line.split()
         if cmd[0] == "quit":
             return
+        if cmd[0] == "steps":
+            print(json.dumps(time_steps(llm.engine)), flush=True)
+            continue
         p = params[cmd[1]]
         p = p() if callable(p) else p
         llm.engine.set_policies(enable_prefix_caching=False)  # every run computes every prompt
@@ -68,6 +77,21 @@ def worker(model: str) -> None:
         wall = time.perf_counter() - t0
         tokens = sum(len(o.outputs[0].token_ids) for o in out)
         print(json.dumps({"wall_s": wall, "output_tokens": tokens}), flush=True)
+
+
+def time_steps(engine) -> dict[str, float]:
+    """Median seconds of one dispatch + fetch of each step program (empty input)."""
+    core, out = engine.core, {}
+    for rows, decode_rows in sorted(core.layouts):
+        times = []
+        for _ in range(STEP_CALLS):
+            inp = core.new_input(rows, decode_rows)
+            t0 = time.perf_counter()
+            engine.state, pending = core.step(engine.params, engine.state, inp)
+            core.fetch(pending)
+            times.append(time.perf_counter() - t0)
+        out[f"{rows}x{decode_rows}"] = float(np.median(times))
+    return out
 
 
 class Worker:
@@ -89,6 +113,11 @@ class Worker:
 
     def run(self, name: str) -> dict:
         self.proc.stdin.write(f"run {name}\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def steps(self) -> dict[str, float]:
+        self.proc.stdin.write("steps\n")
         self.proc.stdin.flush()
         return self._read()
 
@@ -125,12 +154,19 @@ def main() -> None:
         base = extract(rev, Path(tmp) / "base")
         workers = {"before": Worker(base, model), "after": Worker(ROOT, model)}
         runs: dict[str, list[float]] = {f"{e}/{w}": [] for e, w in RUNS}
+        steps: dict[str, list[dict]] = {"before": [], "after": []}
         for _ in range(args.reps):
             for engine, name in RUNS:
                 runs[f"{engine}/{name}"].append(workers[engine].run(name)["wall_s"])
+            for engine in steps:
+                steps[engine].append(workers[engine].steps())
         for w in workers.values():
             w.close()
     median = {k: float(np.median(v)) for k, v in runs.items()}
+    step_ms = {
+        bucket: {e: 1e3 * float(np.median([r[bucket] for r in steps[e]])) for e in steps}
+        for bucket in steps["after"][0]
+    }
     tokens = REQUESTS * OUTPUT_TOKENS
     result = {
         "date": time.strftime("%Y-%m-%d"),
@@ -146,12 +182,18 @@ def main() -> None:
         "plain_after_vs_before": median["after/plain"] / median["before/plain"] - 1,
         "top_vs_plain": median["after/top"] / median["after/plain"] - 1,
         "prompt_vs_plain": median["after/prompt"] / median["after/plain"] - 1,
+        "step_ms_no_logprobs": step_ms,  # per bucket "prefill rows x decode rows"
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for k, v in median.items():
         print(f"{k:14s} median {v:7.3f} s  runs {' '.join(f'{x:.3f}' for x in runs[k])}")
     for k in ("plain_after_vs_before", "top_vs_plain", "prompt_vs_plain"):
         print(f"{k}: {100 * result[k]:+.1f}%")
+    for bucket, ms in step_ms.items():
+        change = 100 * (ms["after"] / ms["before"] - 1)
+        print(
+            f"step {bucket:8s} before {ms['before']:6.2f} ms  after {ms['after']:6.2f} ms  {change:+.1f}%"
+        )
 
 
 if __name__ == "__main__":
