@@ -190,10 +190,8 @@ def main() -> None:
     for k in ("plain_after_vs_before", "top_vs_plain", "prompt_vs_plain"):
         print(f"{k}: {100 * result[k]:+.1f}%")
     for bucket, ms in step_ms.items():
-        change = 100 * (ms["after"] / ms["before"] - 1)
-        print(
-            f"step {bucket:8s} before {ms['before']:6.2f} ms  after {ms['after']:6.2f} ms  {change:+.1f}%"
-        )
+        b, a = ms["before"], ms["after"]
+        print(f"step {bucket:8s} before {b:6.2f} ms  after {a:6.2f} ms  {100 * (a / b - 1):+.1f}%")
 
 
 if __name__ == "__main__":
