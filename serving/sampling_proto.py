@@ -85,7 +85,7 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
     """The inverse of :func:`sampling_params_from_proto` (clients use it). Raises ValueError
-    for a field gRPC cannot carry (``n``, ``logprobs``) when it is not at its default."""
+    for a field gRPC cannot carry (``n``) when it is not at its default."""
     reject_hidden_values(params, "grpc")
     msg = pb.SamplingParams()
     for field in _FIELDS:

@@ -99,9 +99,13 @@ def prompt_top_logprobs(
         return TopLogprobs.zeros(0)
     block = min(rows, HEAD_BLOCK) if rows % HEAD_BLOCK == 0 else block_q
     nb = rows // block
-    h_blocks, t_blocks = hidden.reshape(nb, block, e), targets.reshape(nb, block)
-    asked = jnp.any(t_blocks >= 0, axis=1)  # [NB]
-    todo = jnp.nonzero(asked, size=nb, fill_value=0)[0]  # [NB] blocks with a target first
+    # One padding block (and one padding entry of ``todo``): with a single block, the block
+    # index would be a constant, and XLA would hoist the whole body out of the loop — running
+    # it on every step, even for 0 trips (measured: 90 ms per 16-row step on XLA CPU).
+    h_blocks = jnp.pad(hidden, ((0, block), (0, 0))).reshape(nb + 1, block, e)
+    t_blocks = jnp.pad(targets, (0, block), constant_values=-1).reshape(nb + 1, block)
+    asked = jnp.any(t_blocks >= 0, axis=1)  # [NB + 1]
+    todo = jnp.nonzero(asked, size=nb + 1, fill_value=nb)[0]  # [NB + 1] blocks that ask first
 
     def body(i, out: TopLogprobs) -> TopLogprobs:
         b = todo[i]
@@ -111,7 +115,8 @@ def prompt_top_logprobs(
         put = lambda o, x: jax.lax.dynamic_update_slice_in_dim(o, x, b * block, axis=0)
         return jax.tree.map(put, out, got)
 
-    return jax.lax.fori_loop(0, jnp.sum(asked), body, TopLogprobs.zeros(rows))
+    out = jax.lax.fori_loop(0, jnp.sum(asked), body, TopLogprobs.zeros(rows + block))
+    return jax.tree.map(lambda a: a[:rows], out)
 
 
 def _bits(x: Float[Array, "*s"]) -> Int32[Array, "*s"]:
