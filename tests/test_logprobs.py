@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from jbatch import LLM, SamplingParams
-from jbatch.engine.logprobs import top_logprobs
+from jbatch.engine.logprobs import prompt_top_logprobs, top_logprobs
 from serving.chat_template import render_chat
 from serving.proto.jbatch.v1 import generation_pb2 as pb
 from serving.proto.jbatch.v1 import generation_pb2_grpc as pb_grpc
@@ -72,6 +72,24 @@ def test_top_logprobs_order_and_ties():
     ref = jax.nn.log_softmax(logits[0])
     np.testing.assert_allclose(out.values[0], ref[out.ids[0]], atol=1e-6)
     assert int(out.rank[0]) == 4 and abs(float(out.logprob[0]) - float(ref[3])) < 1e-6
+
+
+@pytest.mark.parametrize("rows", [16, 64, 256])
+def test_prompt_rows_only_where_asked(rows):
+    """Several blocks (256 rows: 4 of 64) or one; a block without a target stays zero."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(32, 50)), jnp.float32)
+    hidden = jnp.asarray(rng.normal(size=(rows, 32)), jnp.float32)
+    targets = np.full(rows, -1, np.int32)
+    asked = np.array([1, rows - 1] + ([70, 71, 200] if rows == 256 else []))
+    targets[asked] = rng.integers(0, 50, asked.size)
+    got = jax.jit(prompt_top_logprobs, static_argnums=(0, 3))(lambda h: h @ w, hidden, targets, 16)
+    ref = top_logprobs(hidden @ w, jnp.maximum(jnp.asarray(targets), 0))
+    for name in ("logprob", "rank", "ids", "values"):
+        g, r = np.asarray(getattr(got, name)), np.asarray(getattr(ref, name))
+        np.testing.assert_allclose(g[asked], r[asked], atol=1e-5)
+        if rows == 256:
+            assert not np.any(g[128:192]), name  # block 2: nobody asked, never computed
 
 
 def test_engine_logprobs_match_hf_and_leave_tokens_alone(tiny):
