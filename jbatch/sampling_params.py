@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jbatch.structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20
 SEED_LIMIT = 2**32  # seeds are stored as uint32 on the device
 GREEDY_EPS = 1e-5  # temperature below this means greedy (same constant as the device sampler)
@@ -69,6 +71,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = _field(False, "keep the matched stop string in the text")
     skip_special_tokens: bool = _field(True, "leave special tokens out of the text")
     logprobs: int | None = _field(None, "log-probabilities of this many top tokens per step")
+    structured: StructuredOutput | None = _field(  # noqa: RUF009 (a frozen value)
+        None, "constrain the output: a JSON Schema, regex, choice or grammar"
+    )
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -126,6 +131,11 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be a bool, got {v!r}")
+
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(
+                f"structured must be a StructuredOutput or None, got {self.structured!r}"
+            )
 
         # --- stop strings / ids -------------------------------------------------------------
         stop = self.stop

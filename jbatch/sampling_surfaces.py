@@ -56,14 +56,17 @@ SURFACE_RULES: dict[str, dict[str, Rule]] = {
         "logprobs": hidden("the CLI prints text, not log-probabilities"),
         "max_tokens": Rule("a longer default than 16 to see what a model writes", default=64),
         "temperature": Rule("greedy by default: one command, one output", default=0.0),
+        "structured": hidden("a JSON Schema or grammar does not fit a flag; use the Python API"),
     },
     "grpc": {
         "n": hidden("proto field 1 is reserved: the server runs one sequence per request"),
         "logprobs": hidden("GenerateResponse carries no log-probabilities"),
+        "structured": hidden("the `structured` oneof of the proto (serving/sampling_proto.py)"),
     },
     "http": {
         "n": hidden("declared by the request models, which reject n != 1 (one choice a request)"),
         "logprobs": hidden("declared by CompletionRequest, which rejects it: choices carry none"),
+        "structured": hidden("`response_format` and `structured_outputs` (serving/http_server.py)"),
     },
 }
 

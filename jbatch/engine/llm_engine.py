@@ -16,6 +16,10 @@ Data flow of one ``step()``:
 
 A token sampled in step N for a sequence that step N-1 finished (found only in step 3) is
 dropped: the cost of overlap is at most one wasted row per finishing sequence.
+
+Structured output (``engine/grammar.py``): when step N-1 sampled for a running request with a
+grammar, step N-1 is read *before* step N is planned (its token must reach the grammar
+matcher), then step N is dispatched with its token bitmask.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from jbatch.engine import batch_builder, stop_checker
+from jbatch.engine import batch_builder, grammar, stop_checker
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.engine_core import EngineCore
 from jbatch.engine.interface import EngineStats, StepFailed
@@ -50,8 +54,13 @@ log = logging.getLogger(__name__)
 # Integer counters of ``EngineStats`` that the engine keeps itself.
 _COUNTERS = (
     "steps", "dispatches", "tokens", "prompt_tokens", "decode_rows", "swap_outs",
-    "steps_while_queued", "busy_slots_while_queued",
+    "steps_while_queued", "busy_slots_while_queued", "constrained_steps",
 )  # fmt: skip
+
+
+def _constrained(sched: SchedulerOutput) -> bool:
+    """Whether a step sampled for a running structured-output request."""
+    return any(seq.matcher is not None and not seq.finished for seq, _ in sched.samplers)
 
 
 class LLMEngine:
@@ -82,6 +91,7 @@ class LLMEngine:
         if warmup:
             self.state = self.core.warmup(params, self.state)
         self.scheduler = Scheduler(cfg)
+        self._grammars: grammar.GrammarCompiler | None = None  # built on first use
         self.requests: dict[str, Request] = {}
         self._inflight: collections.deque[tuple[SchedulerOutput, object]] = collections.deque()
         self._ids = itertools.count()
@@ -124,6 +134,7 @@ class LLMEngine:
             raise ValueError(f"min_tokens={params.min_tokens} is not supported yet")
         if params.logprobs:
             raise ValueError(f"logprobs={params.logprobs}: only the sampled token's logprob (0)")
+        matcher = None if params.structured is None else self._matcher(params)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
@@ -142,10 +153,21 @@ class LLMEngine:
             tenant=tenant,
             detokenizer=detok,
             output_kind=OutputKind(output_kind),
+            matcher=matcher,
         )
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def _matcher(self, params: SamplingParams):
+        """The grammar matcher of a structured request (ValueError if the spec is rejected)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer; this model has none")
+            self._grammars = grammar.GrammarCompiler(
+                self.tokenizer, self.model_cfg.vocab_size, self.eos_ids
+            )
+        return self._grammars.matcher(params.structured)
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -203,10 +225,16 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        outputs = []
+        if self._inflight and _constrained(self._inflight[-1][0]):
+            # A grammar needs the token its request sampled in the step still in flight: read
+            # that step before planning the next one (which then also sees who finished).
+            self.counters["constrained_steps"] += 1
+            while self._inflight:
+                outputs += self._process(*self._inflight.popleft())
         sched = self.scheduler.schedule()
         dispatched = self._dispatch(sched)
         keep = 1 if (dispatched and self.cfg.async_scheduling) else 0
-        outputs = []
         while len(self._inflight) > keep:
             outputs += self._process(*self._inflight.popleft())
         if not (dispatched or sched.swap_ins or self._inflight) and self.scheduler.running:
@@ -230,7 +258,7 @@ class LLMEngine:
         # must land before a swap-in reuses their slot; inserts go out now.
         if work or sched.inserts or (sched.releases and sched.swap_ins):
             inp = batch_builder.build_step_input(self.cfg, core, sched)
-            self.state, handle = core.step(self.params, self.state, inp)
+            self.state, handle = core.step(self.params, self.state, inp, self._bitmask(sched))
             self._inflight.append((sched, handle))
             counters["dispatches"] += 1
         elif sched.releases:
@@ -249,6 +277,20 @@ class LLMEngine:
             counters["busy_slots_while_queued"] += len(self.scheduler.running)
         counters["prompt_tokens"] += sum(len(c.token_ids) for c in sched.chunks)
         return True
+
+    def _bitmask(self, sched: SchedulerOutput) -> np.ndarray | None:
+        """The step's token bitmask, None when no constrained request samples in it."""
+        rows = [
+            (seq.matcher, slot)
+            for seq, slot in sched.samplers
+            if seq.matcher is not None and not seq.finished
+        ]
+        if not rows:
+            return None
+        t0 = time.perf_counter()
+        mask = self._grammars.bitmask(rows, self.cfg.max_slots)
+        self.counters["bitmask_seconds"] += time.perf_counter() - t0
+        return mask
 
     def _pages(self, pages: list[int]) -> np.ndarray:
         padded = self.core.unused_pages()
@@ -271,6 +313,10 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             done = stop_checker.append_token(seq, tokens[slot], logprobs[slot])
+            if seq.matcher is not None:
+                ended = grammar.advance(seq.matcher, tokens[slot])
+                if ended is not None and (done is None or ended[0] == "error"):
+                    done, seq.error = (ended[0], None), ended[1]
             if done is not None:
                 self.scheduler.finish(seq, *done)
             out = self._output(seq)
@@ -295,8 +341,9 @@ class LLMEngine:
             len(seq.output_ids),
         )  # fmt: skip
         return RequestOutput(
-            seq.request_id, seq.prompt, seq.prompt_ids, [completion], finished, self._metrics(seq)
-        )
+            seq.request_id, seq.prompt, seq.prompt_ids, [completion], finished, self._metrics(seq),
+            error=seq.error,
+        )  # fmt: skip
 
     @staticmethod
     def _metrics(seq: Request) -> dict[str, float]:
@@ -335,6 +382,7 @@ class LLMEngine:
             **{name: c[name] for name in _COUNTERS},
             host_seconds=c["host_seconds"],
             device_wait_seconds=c["device_wait_seconds"],
+            bitmask_seconds=c["bitmask_seconds"],
             tenants=sched.ledger.snapshot(s.tenant for s in sched.running.values()),
         )
 
