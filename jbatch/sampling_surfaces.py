@@ -7,7 +7,7 @@ the reason). The surfaces are built from :func:`surface_fields`:
 - ``cli``: the sampling flags of ``jbatch generate`` and ``jbatch client`` (``jbatch/cli.py``);
 - ``grpc``: the ``jbatch.v1.SamplingParams`` proto message (``serving/sampling_proto.py``; the
   ``.proto`` is written by hand, and that module refuses to load when it lacks a field);
-- ``http``: the OpenAI request models (``serving/http_server.py``).
+- ``http``: the OpenAI request models (``serving/openai_protocol.py``).
 
 Adding a field to SamplingParams is therefore: the field (``_field(default, help)``) and its
 check in ``__post_init__``, plus a proto field, or a rule here that hides it from a surface.

@@ -1,5 +1,7 @@
 """The OpenAI-compatible HTTP front end (FastAPI): completions, chat completions, models, health,
-and Prometheus ``/metrics``.
+and Prometheus ``/metrics``. Routes and streaming only: the request models, their translation
+into token ids and SamplingParams, and the response bodies are ``serving/openai_protocol.py``
+(shared with the batch job).
 
 Beyond OpenAI's fields, requests accept every other SamplingParams field the ``http`` surface of
 ``jbatch.sampling_surfaces`` exposes (``top_k``, ``min_p``, ``repetition_penalty``,
@@ -13,92 +15,34 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
-import time
-from collections.abc import AsyncIterator
-from typing import Any, ClassVar, Literal
+from collections.abc import AsyncIterator, Callable
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, create_model
 from starlette.exceptions import HTTPException
 
-from jbatch.sampling_params import SamplingParams
-from jbatch.sampling_surfaces import SurfaceField, surface_fields
-from serving.chat_template import render_chat
 from serving.context import ServingContext
 from serving.engine_thread import Delta, RequestStream
 from serving.errors import ServingError, Status
 from serving.http_guard import HttpGuard, error_body
+from serving.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIRequest,
+    Translated,
+    choice,
+    joined,
+    response_body,
+    response_meta,
+    translate_chat,
+    translate_completion,
+    usage,
+)
 from serving.tenant import http_tenant
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is there
-
-
-class _RequestFields(BaseModel):
-    """What both endpoints take besides the sampling fields (:func:`sampling_request_model`)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    n: int = 1  # OpenAI's choices per request: one here
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    priority: int = 0
-    user: str | None = None  # OpenAI's end-user id: the tenant (the X-Tenant-Id header wins)
-
-    sampling_fields: ClassVar[tuple[SurfaceField, ...]] = ()
-    params_cls: ClassVar[type[SamplingParams]] = SamplingParams
-
-    def sampling_params(self) -> SamplingParams:
-        """Absent or null fields take the Python default; raises ValueError naming a field."""
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (one completion per request), got {self.n}")
-        kwargs = {}
-        for field in self.sampling_fields:
-            value = getattr(self, field.surface_name)
-            kwargs[field.name] = field.default if value is None else value
-        return self.params_cls(**kwargs)
-
-
-def _json_type(field: SurfaceField) -> Any:
-    """The request type of a field, always nullable (null means the default)."""
-    kind = field.shape.kind
-    if not field.shape.repeated:
-        return kind | None
-    if field.shape.accepts_single:
-        return kind | list[kind] | None
-    return list[kind] | None
-
-
-def sampling_request_model(params_cls: type[SamplingParams] = SamplingParams) -> type:
-    """:class:`_RequestFields` plus one field per SamplingParams field the ``http`` surface
-    exposes (``jbatch.sampling_surfaces``), under its surface name."""
-    fields = tuple(surface_fields("http", params_cls))
-    definitions: dict[str, Any] = {f.surface_name: (_json_type(f), None) for f in fields}
-    clash = sorted(set(definitions) & set(_RequestFields.model_fields))
-    if clash:
-        raise TypeError(f"http: SamplingParams fields {clash} clash with request fields")
-    model = create_model("SamplingFields", __base__=_RequestFields, **definitions)
-    model.sampling_fields = fields
-    model.params_cls = params_cls
-    return model
-
-
-_SamplingFields = sampling_request_model()
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str]
-    echo: bool = False
-    logprobs: int | None = None
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]]
-    add_generation_prompt: bool = True
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins
 
 
 def _error(status: Status, message: str) -> JSONResponse:
@@ -158,41 +102,13 @@ def build_app(ctx: ServingContext) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                msg = f"prompt: one prompt per request, got a list of {len(prompt)}"
-                return _fail(ctx, Status.INVALID_ARGUMENT, msg)
-            prompt = prompt[0]
-        if req.echo or req.logprobs:
-            return _fail(ctx, Status.INVALID_ARGUMENT, "echo / logprobs are not supported")
-        return await _generate(ctx, req, prompt, chat=False, raw=raw)
+        return await _generate(ctx, req, lambda: translate_completion(req), raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        if req.max_completion_tokens is not None:
-            req.max_tokens = req.max_completion_tokens
-        try:
-            messages = [_flatten_content(m) for m in req.messages]
-            text = render_chat(ctx.tokenizer, messages, req.add_generation_prompt)
-            # The template writes special tokens (BOS...) itself.
-            prompt = await ctx.encode_prompt(text, add_special_tokens=False)
-        except ValueError as e:
-            return _fail(ctx, Status.INVALID_ARGUMENT, str(e))
-        except ServingError as e:
-            return _fail(ctx, e.status, e.message)
-        return await _generate(ctx, req, prompt, chat=True, raw=raw)
+        return await _generate(ctx, req, lambda: translate_chat(req, ctx.tokenizer), raw)
 
     return app
-
-
-def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI content parts ``[{"type": "text", "text": ...}]`` -> one string."""
-    content = message.get("content")
-    if isinstance(content, list):
-        parts = [p.get("text", "") for p in content if isinstance(p, dict) and "text" in p]
-        message = {**message, "content": "".join(parts)}
-    return message
 
 
 def _fail(ctx: ServingContext, status: Status, message: str) -> JSONResponse:
@@ -201,25 +117,26 @@ def _fail(ctx: ServingContext, status: Status, message: str) -> JSONResponse:
 
 
 async def _generate(
-    ctx: ServingContext, req: _SamplingFields, prompt: str | list[int], chat: bool, raw: Request
+    ctx: ServingContext,
+    req: OpenAIRequest,
+    translate: Callable[[], Translated],
+    raw: Request,
 ) -> Response:
     try:
-        params = req.sampling_params()
+        t = translate()
+        if isinstance(t.prompt, str):  # the engine thread gets token ids only
+            prompt = await ctx.encode_prompt(t.prompt, add_special_tokens=t.add_special_tokens)
+        else:
+            prompt = t.prompt
         thread = ctx.engine_thread_or_raise()
-        if isinstance(prompt, str):
-            prompt = await ctx.encode_prompt(prompt)  # the engine thread gets token ids only
-        ctx.check_limits(prompt, params)
+        ctx.check_limits(prompt, t.params)
         tenant = http_tenant(raw.headers, req.user)
-        stream = thread.submit(prompt, params, req.priority, tenant=tenant)
+        stream = thread.submit(prompt, t.params, req.priority, tenant=tenant)
     except ValueError as e:
         return _fail(ctx, Status.INVALID_ARGUMENT, str(e))
     except ServingError as e:
         return _fail(ctx, e.status, e.message)
-    meta = {
-        "id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
-        "created": int(time.time()),
-        "model": ctx.model_name,
-    }
+    meta = response_meta(t.chat, ctx.model_name)
     try:
         first = await anext(stream)  # errors before the first token keep their HTTP status
     except ServingError as e:
@@ -228,37 +145,9 @@ async def _generate(
         stream.abort()
         raise
     if req.stream:
-        include_usage = bool((req.stream_options or {}).get("include_usage"))
-        body = _stream_body(stream, first, meta, chat, include_usage)
+        body = _stream_body(stream, first, meta, t.chat, req.include_usage)
         return StreamingResponse(body, media_type="text/event-stream")
-    return await _collect(stream, first, meta, chat, raw)
-
-
-def _choice(delta: Delta, chat: bool, streaming: bool, first: bool) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0}
-    if chat:
-        if streaming:
-            choice["delta"] = (
-                {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
-            )
-        else:
-            choice["message"] = {"role": "assistant", "content": delta.text}
-    else:
-        choice["text"] = delta.text
-        choice["logprobs"] = None
-    choice["token_ids"] = delta.token_ids
-    choice["finish_reason"] = delta.finish_reason
-    if delta.finished:
-        choice["stop_reason"] = delta.stop_reason
-    return choice
-
-
-def _usage(delta: Delta) -> dict[str, int]:
-    return {
-        "prompt_tokens": delta.prompt_tokens,
-        "completion_tokens": delta.completion_tokens,
-        "total_tokens": delta.prompt_tokens + delta.completion_tokens,
-    }
+    return await _collect(stream, first, meta, t.chat, raw)
 
 
 async def _stream_body(
@@ -270,12 +159,12 @@ async def _stream_body(
     delta, is_first = first, True
     try:
         while True:
-            chunk = {**meta, "object": kind, "choices": [_choice(delta, chat, True, is_first)]}
+            chunk = {**meta, "object": kind, "choices": [choice(delta, chat, True, is_first)]}
             yield _sse(chunk)
             is_first = False
             if delta.finished:
                 if include_usage:
-                    yield _sse({**meta, "object": kind, "choices": [], "usage": _usage(delta)})
+                    yield _sse({**meta, "object": kind, "choices": [], "usage": usage(delta)})
                 break
             try:
                 delta = await anext(stream)
@@ -311,19 +200,4 @@ async def _collect(
         return _error(e.status, e.message)
     finally:
         stream.abort()
-    last = deltas[-1]
-    whole = Delta(
-        token_ids=[t for d in deltas for t in d.token_ids],
-        text="".join(d.text for d in deltas),
-        finish_reason=last.finish_reason,
-        stop_reason=last.stop_reason,
-        prompt_tokens=last.prompt_tokens,
-        completion_tokens=last.completion_tokens,
-    )
-    body = {
-        **meta,
-        "object": "chat.completion" if chat else "text_completion",
-        "choices": [_choice(whole, chat, False, True)],
-        "usage": _usage(whole),
-    }
-    return JSONResponse(body)
+    return JSONResponse(response_body(meta, joined(deltas), chat))

@@ -19,10 +19,10 @@ from jbatch.sampling_surfaces import (
     surface_fields,
 )
 from serving.context import ServingContext
-from serving.http_server import (
+from serving.http_server import build_app
+from serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    build_app,
     sampling_request_model,
 )
 from serving.proto.jbatch.v1 import generation_pb2 as pb
