@@ -39,6 +39,7 @@ from serving.openai_protocol import (
     translate_chat,
     translate_completion,
     usage,
+    validation_message,
 )
 from serving.tenant import http_tenant
 
@@ -69,10 +70,8 @@ def build_app(ctx: ServingContext) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
         ctx.metrics.outcome(Status.INVALID_ARGUMENT.label)
-        return _error(Status.INVALID_ARGUMENT, f"{field}: {first.get('msg', 'invalid value')}")
+        return _error(Status.INVALID_ARGUMENT, validation_message(exc.errors()))
 
     @app.get("/health")
     async def health() -> Response:

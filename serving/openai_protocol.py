@@ -9,6 +9,10 @@ the batch job (``jbatch/batch_job.py``), so one body means the same thing in bot
   :func:`translate_chat`.
 - Translation: ``translate_*(request) -> Translated`` (the prompt, still text or already token
   ids, and the SamplingParams); raises ValueError naming the field.
+- Strictness: a field the models do not declare is a 400 naming it, unless it is one of
+  :data:`IGNORED_FIELDS` (accepted and ignored: none of them changes the output) or one of
+  :data:`NOT_SUPPORTED_YET` at a value that turns it off. Implementing one of those is:
+  declare the field, use it, delete its entry (an entry every model declares fails at import).
 - Responses: :func:`response_body` (a whole, non-streamed completion) and :func:`choice` (one
   choice, also of a streamed chunk) from a :class:`serving.request_stream.Delta`.
 """
@@ -20,7 +24,7 @@ import secrets
 import time
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model, model_validator
 
 from jbatch.sampling_params import SamplingParams
 from jbatch.sampling_surfaces import SurfaceField, surface_fields
@@ -32,7 +36,7 @@ from serving.request_stream import Delta
 class _RequestFields(BaseModel):
     """What both endpoints take besides the sampling fields (:func:`sampling_request_model`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # undeclared fields: check_fields
 
     model: str | None = None
     n: int = 1  # OpenAI's choices per request: one here
@@ -106,6 +110,87 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
+ENDPOINTS: dict[str, type[OpenAIRequest]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
+
+# ---- strictness ------------------------------------------------------------------------------
+# OpenAI fields jbatch accepts and ignores, with the reason: none of them changes the output.
+IGNORED_FIELDS: dict[str, str] = {
+    "metadata": "tags for OpenAI's stored completions; not an input to generation",
+    "store": "whether OpenAI keeps the completion; jbatch keeps nothing",
+    "service_tier": "OpenAI's billing and latency class; jbatch has one (`priority` orders)",
+    "prompt_cache_key": "a cache routing hint; the prefix cache finds shared prefixes itself",
+    "safety_identifier": "an end-user id for abuse monitoring; the output does not depend on it",
+    "prediction": "predicted output only makes generation faster; the output is the same",
+}
+
+# OpenAI fields jbatch does not implement yet, with the values that mean "off" (accepted: they
+# change nothing); any other value is a 400 naming the field.
+NOT_SUPPORTED_YET: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False),  # chat's (a bool); CompletionRequest declares its own
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "verbosity": (None,),
+}
+
+
+def _stale_entries() -> list[str]:
+    """Table entries that every request model declares (implemented: delete the entry)."""
+    tables = (*IGNORED_FIELDS, *NOT_SUPPORTED_YET)
+    return [f for f in tables if all(f in m.model_fields for m in ENDPOINTS.values())]
+
+
+if _stale_entries():
+    raise TypeError(f"openai_protocol: {_stale_entries()} are declared fields now; delete them")
+
+
+def check_fields(req: OpenAIRequest) -> None:
+    """ValueError naming the first undeclared field that is neither ignored nor off."""
+    for name, value in (req.model_extra or {}).items():
+        if name in IGNORED_FIELDS:
+            continue
+        if name in NOT_SUPPORTED_YET:
+            if value not in NOT_SUPPORTED_YET[name]:
+                shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+                raise ValueError(f"{name}: not supported yet by jbatch (got {shown})")
+            continue
+        raise ValueError(
+            f"{name}: unknown field; jbatch does not implement it (accepted and ignored: "
+            f"{', '.join(IGNORED_FIELDS)})"
+        )
+
+
+def validation_message(errors: list[dict[str, Any]]) -> str:
+    """The first pydantic error as ``field: message`` (the 400 of a body that does not parse)."""
+    first = errors[0] if errors else {}
+    field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+    return f"{field}: {first.get('msg', 'invalid value')}"
+
+
+def parse_body(url: str, body: Any) -> OpenAIRequest:
+    """The request model of ``url`` from a JSON body (the batch job's path to what FastAPI does
+    for the server); ValueError with the message the server's 400 carries."""
+    if url not in ENDPOINTS:
+        raise ValueError(f"url: {url!r} is not one of {sorted(ENDPOINTS)}")
+    try:
+        return ENDPOINTS[url].model_validate(body)
+    except ValidationError as e:
+        raise ValueError(validation_message(e.errors())) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +216,7 @@ class Translated:
 
 def translate_completion(req: CompletionRequest) -> Translated:
     """A ``/v1/completions`` body; ValueError naming the field."""
+    check_fields(req)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
@@ -144,18 +230,26 @@ def translate_completion(req: CompletionRequest) -> Translated:
 def translate_chat(req: ChatCompletionRequest, tokenizer: Tokenizer | None) -> Translated:
     """A ``/v1/chat/completions`` body, rendered with the model's chat template (which writes
     special tokens such as BOS itself); ValueError naming the problem."""
-    messages = [_flatten_content(m) for m in req.messages]
+    check_fields(req)
+    messages = [_flatten_content(i, m) for i, m in enumerate(req.messages)]
     text = render_chat(tokenizer, messages, req.add_generation_prompt)
     return Translated(text, False, req.sampling_params(), chat=True)
 
 
-def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI content parts ``[{"type": "text", "text": ...}]`` -> one string."""
+def _flatten_content(i: int, message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI content parts ``[{"type": "text", "text": ...}]`` -> one string; any other part
+    (an image, audio, a file) is a ValueError naming it: dropping it would change the output."""
     content = message.get("content")
-    if isinstance(content, list):
-        parts = [p.get("text", "") for p in content if isinstance(p, dict) and "text" in p]
-        message = {**message, "content": "".join(parts)}
-    return message
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type", "text") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            where = f"messages[{i}].content[{j}]"
+            raise ValueError(f"{where}: only text parts are supported, got {part!r:.60}")
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}
 
 
 # ---- responses ---------------------------------------------------------------------------------
