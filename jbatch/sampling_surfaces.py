@@ -66,7 +66,11 @@ SURFACE_RULES: dict[str, dict[str, Rule]] = {
     "http": {
         "n": hidden("declared by the request models, which reject n != 1 (one choice a request)"),
         "logprobs": hidden("declared by CompletionRequest, which rejects it: choices carry none"),
-        "structured": hidden("`response_format` and `structured_outputs` (serving/http_server.py)"),
+        "structured": Rule(
+            "OpenAI's `response_format`, or jbatch's `structured_outputs` (openai_protocol.py)",
+            exposed=False,
+            name="structured_outputs",
+        ),
     },
 }
 

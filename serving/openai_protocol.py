@@ -31,6 +31,7 @@ from jbatch.sampling_surfaces import SurfaceField, surface_fields
 from jbatch.tokenizer import Tokenizer
 from serving.chat_template import render_chat
 from serving.request_stream import Delta
+from serving.structured_request import structured_from_request
 
 
 class _RequestFields(BaseModel):
@@ -44,6 +45,9 @@ class _RequestFields(BaseModel):
     stream_options: dict[str, Any] | None = None
     priority: int = 0
     user: str | None = None  # OpenAI's end-user id: the tenant (the X-Tenant-Id header wins)
+    # The output's shape (serving/structured_request.py): OpenAI's, or jbatch's extra.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     sampling_fields: ClassVar[tuple[SurfaceField, ...]] = ()
     params_cls: ClassVar[type[SamplingParams]] = SamplingParams
@@ -56,6 +60,9 @@ class _RequestFields(BaseModel):
         for field in self.sampling_fields:
             value = getattr(self, field.surface_name)
             kwargs[field.name] = field.default if value is None else value
+        kwargs["structured"] = structured_from_request(
+            self.response_format, self.structured_outputs
+        )
         return self.params_cls(**kwargs)
 
     @property
@@ -129,7 +136,6 @@ IGNORED_FIELDS: dict[str, str] = {
 # OpenAI fields jbatch does not implement yet, with the values that mean "off" (accepted: they
 # change nothing); any other value is a 400 naming the field.
 NOT_SUPPORTED_YET: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True),
