@@ -18,8 +18,9 @@ A token sampled in step N for a sequence that step N-1 finished (found only in s
 dropped: the cost of overlap is at most one wasted row per finishing sequence.
 
 Structured output (``engine/grammar.py``): when step N-1 sampled for a running request with a
-grammar, step N-1 is read *before* step N is planned (its token must reach the grammar
-matcher), then step N is dispatched with its token bitmask.
+grammar, step N is planned and packed, then step N-1's tokens are read and fed to the grammar
+matchers, then step N's token bitmask is filled and step N is dispatched; step N-1's text and
+stop checks are done after that dispatch, as usual.
 """
 
 from __future__ import annotations
@@ -225,15 +226,27 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        outputs = []
-        if self._inflight and _constrained(self._inflight[-1][0]):
-            # A grammar needs the token its request sampled in the step still in flight: read
-            # that step before planning the next one (which then also sees who finished).
-            self.counters["constrained_steps"] += 1
-            while self._inflight:
+        outputs, early = [], []
+        lockstep = bool(self._inflight) and _constrained(self._inflight[-1][0])
+        if lockstep:
+            while len(self._inflight) > 1:
                 outputs += self._process(*self._inflight.popleft())
+
+        def feed_grammars() -> None:
+            # A grammar needs the token its request sampled in the step still in flight: once
+            # the next step is planned and packed, wait for that step and feed its tokens to
+            # the matchers; then the next step's bitmask can be filled and the step dispatched.
+            # The rest of its processing (text, stop checks) overlaps the next step.
+            if lockstep and not early:
+                prev, handle = self._inflight.popleft()
+                result = self._fetch(handle)
+                early.append((prev, result, self._advance_grammars(prev, result.tokens)))
+                self.counters["constrained_steps"] += 1
+
         sched = self.scheduler.schedule()
-        dispatched = self._dispatch(sched)
+        dispatched = self._dispatch(sched, feed_grammars)
+        feed_grammars()  # if nothing was dispatched
+        outputs += self._process_result(*early[0]) if early else []
         keep = 1 if (dispatched and self.cfg.async_scheduling) else 0
         while len(self._inflight) > keep:
             outputs += self._process(*self._inflight.popleft())
@@ -243,7 +256,7 @@ class LLMEngine:
             self.scheduler.check_invariants()
         return outputs
 
-    def _dispatch(self, sched: SchedulerOutput) -> bool:
+    def _dispatch(self, sched: SchedulerOutput, before_step=lambda: None) -> bool:
         """Device order: swap-outs (before any reuse of their slots and pages), then the one
         step program (releases, inserts, the model step), then swap-ins (a swapped-in request
         takes part from the next step on). Returns whether the step had model work."""
@@ -258,6 +271,7 @@ class LLMEngine:
         # must land before a swap-in reuses their slot; inserts go out now.
         if work or sched.inserts or (sched.releases and sched.swap_ins):
             inp = batch_builder.build_step_input(self.cfg, core, sched)
+            before_step()
             self.state, handle = core.step(self.params, self.state, inp, self._bitmask(sched))
             self._inflight.append((sched, handle))
             counters["dispatches"] += 1
@@ -298,9 +312,28 @@ class LLMEngine:
         return padded
 
     def _process(self, sched: SchedulerOutput, handle) -> list[RequestOutput]:
+        result = self._fetch(handle)
+        return self._process_result(sched, result, self._advance_grammars(sched, result.tokens))
+
+    def _fetch(self, handle):
         t0 = time.perf_counter()
         result = self.core.fetch(handle)
         self.counters["device_wait_seconds"] += time.perf_counter() - t0
+        return result
+
+    @staticmethod
+    def _advance_grammars(sched: SchedulerOutput, tokens: np.ndarray) -> dict[int, tuple]:
+        """Feed each running structured request its sampled token; the ones that must end
+        (``id(request) -> (finish_reason, error)``)."""
+        ends = {}
+        for seq, slot in sched.samplers:
+            if seq.matcher is not None and not seq.finished:
+                end = grammar.advance(seq.matcher, int(tokens[slot]))
+                if end is not None:
+                    ends[id(seq)] = end
+        return ends
+
+    def _process_result(self, sched: SchedulerOutput, result, ends: dict) -> list[RequestOutput]:
         if not sched.samplers:
             return []
         tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
@@ -313,10 +346,9 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             done = stop_checker.append_token(seq, tokens[slot], logprobs[slot])
-            if seq.matcher is not None:
-                ended = grammar.advance(seq.matcher, tokens[slot])
-                if ended is not None and (done is None or ended[0] == "error"):
-                    done, seq.error = (ended[0], None), ended[1]
+            end = ends.get(id(seq))
+            if end is not None and (done is None or end[0] == "error"):
+                done, seq.error = (end[0], None), end[1]  # the grammar ended (or failed)
             if done is not None:
                 self.scheduler.finish(seq, *done)
             out = self._output(seq)
