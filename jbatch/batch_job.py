@@ -45,6 +45,7 @@ from jbatch.batch_files import (
     scan_output,
 )
 from jbatch.engine.interface import EngineClient, StepFailed
+from jbatch.engine.tenants import check_tenant
 from jbatch.outputs import OutputKind, RequestOutput
 from serving.openai_protocol import (
     ENDPOINTS,
@@ -81,6 +82,7 @@ class Summary:
     seconds: float = 0.0
     repaired_bytes: int = 0
     stopped: bool = False  # stopped before the end of the input
+    slot_utilization: float | None = None  # busy slots / slots, over steps with a queue
 
     def line(self) -> str:
         rate = self.tokens / self.seconds if self.seconds else 0.0
@@ -88,6 +90,8 @@ class Summary:
             f"{self.results} results, {self.failed} errors, {self.skipped} already done; "
             f"{self.tokens} tokens in {self.seconds:.1f}s ({rate:.0f} tok/s)"
         )
+        if self.slot_utilization is not None:
+            text += f"; slots busy while queued {self.slot_utilization:.1%}"
         if self.repaired_bytes:
             text += f"; cut a torn last line of {self.repaired_bytes} bytes"
         if self.stopped:
@@ -169,6 +173,10 @@ class BatchJob:
         bar.close()
         self.summary.seconds = time.perf_counter() - t0
         self.summary.stopped = not exhausted
+        stats = self.engine.stats()
+        if stats.steps_while_queued:
+            busy = stats.busy_slots_while_queued
+            self.summary.slot_utilization = busy / (stats.steps_while_queued * stats.total_slots)
         return self.summary
 
     # ---- input ---------------------------------------------------------------------------
@@ -221,7 +229,7 @@ class BatchJob:
             self.engine.add_request(
                 translated.prompt_ids(self.engine.tokenizer), translated.params,
                 request_id=rid, priority=req.priority, output_kind=OutputKind.FINAL,
-                tenant=req.user,
+                tenant=check_tenant(req.user, "user"),
             )  # fmt: skip
         except ValueError as e:
             self._write(result_line(custom_id, 400, _error_body(400, "invalid_argument", e)))
