@@ -14,7 +14,6 @@ from tests.serving_harness import assert_drained, hardened_llm, running_server  
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the fox"}]
 NOT_OFF = {  # a value of each NOT_SUPPORTED_YET field that would change the output
-    "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "tool_choice": "required",
     "parallel_tool_calls": False,
