@@ -1,5 +1,5 @@
 """The ``jbatch`` command line: ``generate``, ``make-tiny-model``, ``serve``, ``client``,
-``convert``.
+``convert``, ``batch`` (``jbatch/batch_cli.py``).
 
 Engine flags map one to one onto :class:`EngineConfig` fields (``--max-slots`` -> max_slots),
 sampling flags onto :class:`SamplingParams` fields (those ``jbatch.sampling_surfaces`` exposes
@@ -174,6 +174,9 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_distributed_flags(srv)
 
     _add_convert_parser(sub)
+    from jbatch.batch_cli import add_batch_parser
+
+    add_batch_parser(sub)
 
     cli = sub.add_parser(
         "client",
@@ -329,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
             return _client(args)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "batch":
+            from jbatch.batch_cli import run_batch_command
+
+            return run_batch_command(args)
         from jbatch.tiny_model import write_random_llama
 
         path = write_random_llama(
