@@ -35,7 +35,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from jbatch.engine import batch_builder, grammar, stop_checker
+from jbatch.engine import batch_builder, grammar, snapshot, stop_checker
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.engine_core import EngineCore
 from jbatch.engine.interface import EngineStats, StepFailed
@@ -467,6 +467,15 @@ class LLMEngine:
             return False
         self.requests.pop(request_id, None)
         return True
+
+    def snapshot(self, directory) -> list[RequestOutput]:
+        """Save every in-flight request to ``directory`` (``engine/snapshot.py``); returns the
+        outputs of the step that was in flight (deliver them). The engine keeps running."""
+        return snapshot.save(self, directory)
+
+    def restore(self, directory) -> None:
+        """Continue the work saved by :meth:`snapshot` (same model and config; idle engine)."""
+        snapshot.load(self, directory)
 
     def drain(self) -> list[RequestOutput]:
         """Wait for in-flight steps (before inspecting device state in tests); their outputs."""
