@@ -57,6 +57,7 @@ from serving.openai_protocol import (
     translate_completion,
 )
 from serving.request_stream import Delta
+from serving.tool_output import ToolCalling
 
 WINDOW_PER_SLOT = 2  # default requests in the engine per slot
 
@@ -104,6 +105,7 @@ class _Pending:
     custom_id: str
     chat: bool
     meta: dict[str, Any]
+    tools: ToolCalling | None = None  # chat with tools: how the output becomes tool_calls
 
 
 class _BadLine(Exception):
@@ -235,7 +237,8 @@ class BatchJob:
             self._write(result_line(custom_id, 400, _error_body(400, "invalid_argument", e)))
             return
         self._ids += 1
-        self.pending[rid] = _Pending(custom_id, chat, response_meta(chat, self.model_name))
+        meta = response_meta(chat, self.model_name)
+        self.pending[rid] = _Pending(custom_id, chat, meta, translated.tools)
 
     # ---- engine --------------------------------------------------------------------------
     def _step(self) -> list[RequestOutput]:
@@ -258,7 +261,7 @@ class BatchJob:
             c.token_ids, c.text, c.finish_reason, c.stop_reason,
             len(out.prompt_token_ids), len(c.token_ids),
         )  # fmt: skip
-        body = response_body(pending.meta, whole, pending.chat)
+        body = response_body(pending.meta, whole, pending.chat, pending.tools)
         self.summary.tokens += len(c.token_ids)
         self._write(result_line(pending.custom_id, 200, body))
 

@@ -105,7 +105,8 @@ def build_app(ctx: ServingContext) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        return await _generate(ctx, req, lambda: translate_chat(req, ctx.tokenizer), raw)
+        parser = ctx.tool_call_parser
+        return await _generate(ctx, req, lambda: translate_chat(req, ctx.tokenizer, parser), raw)
 
     return app
 
@@ -144,21 +145,27 @@ async def _generate(
         stream.abort()
         raise
     if req.stream:
-        body = _stream_body(stream, first, meta, t.chat, req.include_usage)
+        body = _stream_body(stream, first, meta, t, req.include_usage)
         return StreamingResponse(body, media_type="text/event-stream")
-    return await _collect(stream, first, meta, t.chat, raw)
+    return await _collect(stream, first, meta, t, raw)
 
 
 async def _stream_body(
-    stream: RequestStream, first: Delta, meta: dict, chat: bool, include_usage: bool
+    stream: RequestStream, first: Delta, meta: dict, t: Translated, include_usage: bool
 ) -> AsyncIterator[bytes]:
+    chat = t.chat
     kind: Literal["chat.completion.chunk", "text_completion"] = (
         "chat.completion.chunk" if chat else "text_completion"
     )
     delta, is_first = first, True
+    tool_stream = None if t.tools is None else t.tools.stream()
     try:
         while True:
-            chunk = {**meta, "object": kind, "choices": [choice(delta, chat, True, is_first)]}
+            message, shown = None, delta
+            if tool_stream is not None:  # text outside calls as content, calls as tool_calls
+                message, shown = tool_stream.feed(delta)
+            parts = [choice(shown, chat, True, is_first, message)]
+            chunk = {**meta, "object": kind, "choices": parts}
             yield _sse(chunk)
             is_first = False
             if delta.finished:
@@ -184,7 +191,7 @@ async def _rest(stream: RequestStream, first: Delta) -> list[Delta]:
 
 
 async def _collect(
-    stream: RequestStream, first: Delta, meta: dict, chat: bool, raw: Request
+    stream: RequestStream, first: Delta, meta: dict, t: Translated, raw: Request
 ) -> Response:
     """Gather a whole completion; a client that disconnects meanwhile aborts the request."""
     task = asyncio.ensure_future(_rest(stream, first))
@@ -199,4 +206,4 @@ async def _collect(
         return _error(e.status, e.message)
     finally:
         stream.abort()
-    return JSONResponse(response_body(meta, joined(deltas), chat))
+    return JSONResponse(response_body(meta, joined(deltas), t.chat, t.tools))

@@ -29,9 +29,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model, model
 from jbatch.sampling_params import SamplingParams
 from jbatch.sampling_surfaces import SurfaceField, surface_fields
 from jbatch.tokenizer import Tokenizer
-from serving.chat_template import render_chat
 from serving.request_stream import Delta
 from serving.structured_request import structured_from_request
+from serving.tool_output import ToolCalling
+from serving.tool_parsers import parser_for
+from serving.tool_prompt import render_tool_chat
+from serving.tool_request import ToolRequest
 
 
 class _RequestFields(BaseModel):
@@ -108,6 +111,10 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins
+    # Tool calling (serving/tool_request.py checks them: a 400 naming the field).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _newer_name_wins(self) -> ChatCompletionRequest:
@@ -136,9 +143,6 @@ IGNORED_FIELDS: dict[str, str] = {
 # OpenAI fields jbatch does not implement yet, with the values that mean "off" (accepted: they
 # change nothing); any other value is a 400 naming the field.
 NOT_SUPPORTED_YET: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, True),
     "functions": (None, []),
     "function_call": (None, "none"),
     "logit_bias": (None, {}),
@@ -207,6 +211,7 @@ class Translated:
     add_special_tokens: bool  # when ``prompt`` is text: add BOS and the like while encoding
     params: SamplingParams
     chat: bool
+    tools: ToolCalling | None = None  # chat with tools: how the output becomes tool_calls
 
     def prompt_ids(self, tokenizer: Tokenizer | None) -> list[int]:
         """The prompt's token ids, encoded here (ValueError naming ``prompt`` without a
@@ -233,13 +238,22 @@ def translate_completion(req: CompletionRequest) -> Translated:
     return Translated(prompt, True, req.sampling_params(), chat=False)
 
 
-def translate_chat(req: ChatCompletionRequest, tokenizer: Tokenizer | None) -> Translated:
+def translate_chat(
+    req: ChatCompletionRequest, tokenizer: Tokenizer | None, tool_call_parser: str = "auto"
+) -> Translated:
     """A ``/v1/chat/completions`` body, rendered with the model's chat template (which writes
-    special tokens such as BOS itself); ValueError naming the problem."""
+    special tokens such as BOS itself) and its tools (``tool_call_parser``: the output format,
+    ``serving/tool_parsers.py``); ValueError naming the problem."""
     check_fields(req)
     messages = [_flatten_content(i, m) for i, m in enumerate(req.messages)]
-    text = render_chat(tokenizer, messages, req.add_generation_prompt)
-    return Translated(text, False, req.sampling_params(), chat=True)
+    parser = parser_for(tool_call_parser, tokenizer.chat_template if tokenizer else None)
+    tools = ToolRequest.from_fields(req.tools, req.tool_choice, req.parallel_tool_calls, parser)
+    text = render_tool_chat(tokenizer, messages, req.add_generation_prompt, tools)
+    params = req.sampling_params()
+    if tools is None:
+        return Translated(text, False, params, chat=True)
+    params = params.replace(structured=tools.constrain(params.structured))
+    return Translated(text, False, params, chat=True, tools=tools.output())
 
 
 def _flatten_content(i: int, message: dict[str, Any]) -> dict[str, Any]:
@@ -268,17 +282,19 @@ def response_meta(chat: bool, model_name: str) -> dict[str, Any]:
     }
 
 
-def choice(delta: Delta, chat: bool, streaming: bool, first: bool) -> dict[str, Any]:
+def choice(
+    delta: Delta, chat: bool, streaming: bool, first: bool, message: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Choice 0 of a body (``streaming`` False: ``delta`` is the whole completion) or of a
-    streamed chunk (``first``: the chunk that opens the assistant message)."""
+    streamed chunk (``first``: the chunk that opens the assistant message); ``message``: the
+    chat message's fields when not just ``delta.text`` as content (tool calls)."""
     out: dict[str, Any] = {"index": 0}
     if chat:
+        fields = {"content": delta.text} if message is None else message
         if streaming:
-            out["delta"] = (
-                {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
-            )
+            out["delta"] = {"role": "assistant", **fields} if first else fields
         else:
-            out["message"] = {"role": "assistant", "content": delta.text}
+            out["message"] = {"role": "assistant", **fields}
     else:
         out["text"] = delta.text
         out["logprobs"] = None
@@ -310,11 +326,16 @@ def joined(deltas: list[Delta]) -> Delta:
     )
 
 
-def response_body(meta: dict[str, Any], whole: Delta, chat: bool) -> dict[str, Any]:
+def response_body(
+    meta: dict[str, Any], whole: Delta, chat: bool, tools: ToolCalling | None = None
+) -> dict[str, Any]:
     """The body of a non-streamed response: ``chat.completion`` or ``text_completion``."""
+    message = None
+    if tools is not None:
+        message, whole = tools.whole(whole)
     return {
         **meta,
         "object": "chat.completion" if chat else "text_completion",
-        "choices": [choice(whole, chat, False, True)],
+        "choices": [choice(whole, chat, False, True, message)],
         "usage": usage(whole),
     }

@@ -14,9 +14,6 @@ from tests.serving_harness import assert_drained, hardened_llm, running_server  
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the fox"}]
 NOT_OFF = {  # a value of each NOT_SUPPORTED_YET field that would change the output
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "tool_choice": "required",
-    "parallel_tool_calls": False,
     "functions": [{"name": "f"}],
     "function_call": "auto",
     "logit_bias": {"5": 100},
@@ -98,8 +95,8 @@ def test_openai_client_chat_and_streaming_chat(server):
     assert text == choice.message.content and chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].usage.completion_tokens == 5
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="tiny", messages=MESSAGES, tools=NOT_OFF["tools"])
-    assert info.value.body["message"].startswith("tools: not supported yet")
+        client.chat.completions.create(model="tiny", messages=MESSAGES, functions=[{"name": "f"}])
+    assert info.value.body["message"].startswith("functions: not supported yet")
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, logprobs=True)
     assert_drained(server)
