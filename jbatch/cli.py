@@ -1,5 +1,5 @@
 """The ``jbatch`` command line: ``generate``, ``make-tiny-model``, ``serve``, ``client``,
-``convert``.
+``convert``, ``batch`` (``jbatch/batch_cli.py``).
 
 Engine flags map one to one onto :class:`EngineConfig` fields (``--max-slots`` -> max_slots),
 sampling flags onto :class:`SamplingParams` fields (those ``jbatch.sampling_surfaces`` exposes
@@ -18,6 +18,7 @@ from jbatch.engine.tenants import load_tenant_weights
 from jbatch.sampling_params import SamplingParams
 from jbatch.sampling_surfaces import surface_fields
 from serving.flags import add_hardening_flags, hardening_config
+from serving.tool_parsers import PARSER_CHOICES
 
 
 def _tenant_weights_file(path: str):
@@ -169,11 +170,19 @@ def _build_parser() -> argparse.ArgumentParser:
         "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get "
         "on SIGTERM before they are aborted"
     )  # fmt: skip
+    srv.add_argument(
+        "--tool-call-parser", choices=PARSER_CHOICES, default="auto", help="the format of tool "
+        "calls in chat output: hermes (<tool_call>...</tool_call>), llama3_json, none (never "
+        "parse); auto (default): from the chat template, else hermes"
+    )  # fmt: skip
     add_hardening_flags(srv)
     _add_engine_flags(srv)
     _add_distributed_flags(srv)
 
     _add_convert_parser(sub)
+    from jbatch.batch_cli import add_batch_parser
+
+    add_batch_parser(sub)
 
     cli = sub.add_parser(
         "client",
@@ -209,6 +218,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         shutdown_timeout=args.shutdown_timeout,
         model_name=args.served_model_name or Path(args.model).resolve().name,
+        tool_call_parser=args.tool_call_parser,
         **hardening_config(args),
     )
     if not Path(args.model).is_dir():
@@ -329,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
             return _client(args)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "batch":
+            from jbatch.batch_cli import run_batch_command
+
+            return run_batch_command(args)
         from jbatch.tiny_model import write_random_llama
 
         path = write_random_llama(

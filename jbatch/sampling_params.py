@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jbatch.structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20
 SEED_LIMIT = 2**32  # seeds are stored as uint32 on the device
 GREEDY_EPS = 1e-5  # temperature below this means greedy (same constant as the device sampler)
@@ -72,6 +74,9 @@ class SamplingParams:
     prompt_logprobs: int | None = _field(
         None, "log-probabilities of each prompt token and this many top tokens"
     )
+    structured: StructuredOutput | None = _field(  # noqa: RUF009 (a frozen value)
+        None, "constrain the output: a JSON Schema, regex, choice or grammar"
+    )
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -130,6 +135,11 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be a bool, got {v!r}")
+
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(
+                f"structured must be a StructuredOutput or None, got {self.structured!r}"
+            )
 
         # --- stop strings / ids -------------------------------------------------------------
         stop = self.stop

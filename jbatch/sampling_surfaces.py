@@ -7,7 +7,7 @@ the reason). The surfaces are built from :func:`surface_fields`:
 - ``cli``: the sampling flags of ``jbatch generate`` and ``jbatch client`` (``jbatch/cli.py``);
 - ``grpc``: the ``jbatch.v1.SamplingParams`` proto message (``serving/sampling_proto.py``; the
   ``.proto`` is written by hand, and that module refuses to load when it lacks a field);
-- ``http``: the OpenAI request models (``serving/http_server.py``).
+- ``http``: the OpenAI request models (``serving/openai_protocol.py``).
 
 Adding a field to SamplingParams is therefore: the field (``_field(default, help)``) and its
 check in ``__post_init__``, plus a proto field, or a rule here that hides it from a surface.
@@ -57,15 +57,22 @@ SURFACE_RULES: dict[str, dict[str, Rule]] = {
         "prompt_logprobs": hidden("the CLI prints text, not log-probabilities"),
         "max_tokens": Rule("a longer default than 16 to see what a model writes", default=64),
         "temperature": Rule("greedy by default: one command, one output", default=0.0),
+        "structured": hidden("a JSON Schema or grammar does not fit a flag; use the Python API"),
     },
     "grpc": {
         "n": hidden("proto field 1 is reserved: the server runs one sequence per request"),
+        "structured": hidden("the `structured` oneof of the proto (serving/sampling_proto.py)"),
     },
     "http": {
         "n": hidden("declared by the request models, which reject n != 1 (one choice a request)"),
         "logprobs": hidden(
             "declared by the request models in OpenAI's forms: completions take an int, chat "
             "`logprobs: true` with `top_logprobs`"
+        ),
+        "structured": Rule(
+            "OpenAI's `response_format`, or jbatch's `structured_outputs` (openai_protocol.py)",
+            exposed=False,
+            name="structured_outputs",
         ),
     },
 }

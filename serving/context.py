@@ -31,8 +31,10 @@ class ServingContext:
         *,
         limits: RequestLimits | None = None,
         api_keys: ApiKeys | None = None,
+        tool_call_parser: str = "auto",
     ):
         self.model_name = model_name
+        self.tool_call_parser = tool_call_parser  # serving/tool_parsers.py: PARSER_CHOICES
         self.metrics = metrics or ServingMetrics()
         self.limits = limits or RequestLimits()
         self.api_keys = api_keys or ApiKeys()

@@ -1,7 +1,8 @@
 """``jbatch.v1.SamplingParams`` (proto) <-> :class:`jbatch.SamplingParams`, field by field.
 
 The mapping iterates over the fields the ``grpc`` surface exposes (``jbatch.sampling_surfaces``):
-an unset proto field (``HasField`` false, or an empty list) takes the Python default. The
+an unset proto field (``HasField`` false, or an empty list) takes the Python default; the
+``structured`` oneof (and ``whitespace_flexible``) maps to ``SamplingParams.structured``. The
 ``.proto`` is written by hand, so importing this module checks that it matches the dataclass
 (:func:`proto_mismatches`) and raises naming every field that does not.
 """
@@ -12,6 +13,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from jbatch.sampling_params import SamplingParams
 from jbatch.sampling_surfaces import reject_hidden_values, surface_fields
+from jbatch.structured_output import StructuredOutput
 from serving.proto.jbatch.v1 import generation_pb2 as pb
 
 _FD = FieldDescriptor
@@ -23,6 +25,14 @@ _KIND_OF_PROTO_TYPE: dict[int, type] = {
     _FD.TYPE_STRING: str,
 }
 _PROTO_TYPE_NAMES = {getattr(_FD, n): n[5:].lower() for n in dir(_FD) if n.startswith("TYPE_")}
+# SamplingParams.structured: the proto's `structured` oneof (field -> StructuredOutput kind)
+# plus one option beside it.
+STRUCTURED_ONEOF = "structured"
+_STRUCTURED_KINDS = {
+    "json_schema": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
+    "grammar": "grammar",
+}  # fmt: skip
+_STRUCTURED_OPTIONS = ("whitespace_flexible",)
 
 
 def proto_mismatches(
@@ -53,7 +63,13 @@ def proto_mismatches(
             )
         elif not fd.is_repeated and not fd.has_presence:
             problems.append(f"{fd.full_name} must be `optional`: unset means the Python default")
-    mapped = {field.surface_name for field in exposed}
+    mapped = {field.surface_name for field in exposed} | set(_STRUCTURED_OPTIONS)
+    oneof = descriptor.oneofs_by_name.get(STRUCTURED_ONEOF)
+    if oneof is None or {f.name for f in oneof.fields} != set(_STRUCTURED_KINDS):
+        problems.append(f"grpc: {descriptor.full_name} needs the oneof {STRUCTURED_ONEOF} of "
+                        f"{sorted(_STRUCTURED_KINDS)} (SamplingParams.structured)")  # fmt: skip
+    else:
+        mapped |= set(_STRUCTURED_KINDS)
     for name in descriptor.fields_by_name:
         if name not in mapped:
             problems.append(
@@ -80,13 +96,36 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
             kwargs[field.name] = getattr(msg, field.surface_name)
         else:
             kwargs[field.name] = field.default
-    return SamplingParams(**kwargs)
+    return SamplingParams(**kwargs, structured=_structured_from_proto(msg))
+
+
+def _structured_from_proto(msg: pb.SamplingParams) -> StructuredOutput | None:
+    which = msg.WhichOneof(STRUCTURED_ONEOF)
+    if which is None:
+        if msg.HasField("whitespace_flexible"):
+            raise ValueError("whitespace_flexible is set without a structured output kind")
+        return None
+    value = getattr(msg, which)
+    value = list(value.choices) if which == "choice" else value
+    options = {name: getattr(msg, name) for name in _STRUCTURED_OPTIONS if msg.HasField(name)}
+    return StructuredOutput(**{_STRUCTURED_KINDS[which]: value}, **options)
+
+
+def _structured_to_proto(spec: StructuredOutput, msg: pb.SamplingParams) -> None:
+    kind = spec.kind
+    proto_name = next(p for p, k in _STRUCTURED_KINDS.items() if k == kind)
+    if kind == "choice":
+        msg.choice.choices.extend(spec.choice)
+    else:
+        setattr(msg, proto_name, getattr(spec, kind))
+    for name in _STRUCTURED_OPTIONS:
+        setattr(msg, name, getattr(spec, name))
 
 
 def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
     """The inverse of :func:`sampling_params_from_proto` (clients use it). Raises ValueError
     for a field gRPC cannot carry (``n``) when it is not at its default."""
-    reject_hidden_values(params, "grpc")
+    reject_hidden_values(params.replace(structured=None), "grpc")  # structured: the oneof
     msg = pb.SamplingParams()
     for field in _FIELDS:
         value = getattr(params, field.name)
@@ -94,4 +133,6 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
             getattr(msg, field.surface_name).extend(value)
         elif value is not None:
             setattr(msg, field.surface_name, value)
+    if params.structured is not None:
+        _structured_to_proto(params.structured, msg)
     return msg

@@ -59,6 +59,7 @@ class ServeConfig:
     limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
     stream_buffer: int = 256  # outputs buffered per stream for a client that is not reading
     stream_stall_timeout: float = 30.0  # seconds a full buffer may go unread before the abort
+    tool_call_parser: str = "auto"  # the chat output's tool-call format (serving/tool_parsers.py)
 
     def tls(self) -> tuple[bytes, bytes] | None:
         """(private key, certificate chain) PEM bytes, or None without TLS."""
@@ -88,8 +89,9 @@ class Server:
     def __init__(self, config: ServeConfig, metrics: ServingMetrics | None = None):
         self.config = config
         self.ctx = ServingContext(
-            config.model_name, metrics, limits=config.limits, api_keys=config.api_keys
-        )
+            config.model_name, metrics, limits=config.limits, api_keys=config.api_keys,
+            tool_call_parser=config.tool_call_parser,
+        )  # fmt: skip
         self.grpc_port: int | None = None
         self.http_port: int | None = None
         self.metrics_port: int | None = None

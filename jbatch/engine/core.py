@@ -220,9 +220,12 @@ def step(
     logits_shardings: tuple[jax.sharding.Sharding, ...] = (),
     attention=None,
     experts=None,
+    token_bitmask: Int32[Array, "slots words"] | None = None,
 ) -> tuple[EngineState, StepOutput]:
     """One model pass over decode rows + prompt-chunk rows, then sampling (see module doc).
 
+    ``token_bitmask``: the tokens each slot may sample (structured output; see
+    ``sampler.apply_bitmask``), None or all ones: any token.
     ``attention`` and ``experts`` replace the model's attention and MoE expert calls (tensor
     parallelism: per shard);
     ``logits_shardings`` (tensor parallelism): constrain the logits to each in turn — vocab-split
@@ -287,7 +290,9 @@ def step(
 
     head = lambda h: constrained(compute_logits(params, h, model_cfg))  # [n, E] -> [n, V]
     logits = constrained(compute_logits(params, hidden[head_rows], model_cfg)[slot_row])  # [S, V]
-    new_tok, logprobs = sample(logits, state.sampling, state.num_generated, prompt_mask, counts)
+    new_tok, logprobs = sample(
+        logits, state.sampling, state.num_generated, prompt_mask, counts, token_bitmask
+    )
     top = sampled_top_logprobs(logits, new_tok, batch.want_top_logprobs)
     prompt_top = prompt_top_logprobs(head, hidden[bd:], batch.prefill_targets, block_q)
 
@@ -313,10 +318,12 @@ def engine_step(
     release_mask: Bool[Array, " slots"],
     ins: SlotInsert,
     batch: StepBatch,
+    token_bitmask: Int32[Array, "slots words"] | None = None,
     **step_kwargs,
 ) -> tuple[EngineState, StepOutput]:
     """Everything one engine step does on the device, in order: retire the ``release_mask``
-    slots, start the ``ins`` sequences, then :func:`step` (``step_kwargs`` are its keywords).
-    ``EngineCore`` compiles this as the engine's one program per bucket pair."""
+    slots, start the ``ins`` sequences, then :func:`step` (``step_kwargs`` are its keywords;
+    ``token_bitmask`` constrains sampling). ``EngineCore`` compiles this as the engine's one
+    program per bucket pair."""
     state = insert(release(state, release_mask), ins)
-    return step(params, state, batch, **step_kwargs)
+    return step(params, state, batch, token_bitmask=token_bitmask, **step_kwargs)

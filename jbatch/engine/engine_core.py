@@ -1,7 +1,9 @@
 """EngineCore: the device functions of ``core.py`` jitted once per engine, state donated.
 
 One engine step is **one dispatch**: ``core.engine_step`` (release, insert, step) compiled per
-(prefill bucket, decode bucket) pair, fed by one packed :class:`StepInput` (``step_input.py``),
+(prefill bucket, decode bucket) pair, fed by one packed :class:`StepInput` (``step_input.py``)
+and a ``[slots, ceil(vocab / 32)]`` token bitmask (structured output; unconstrained steps pass
+one all-ones mask that stays on the device),
 returning the new state and one packed flat int32 result (tokens, sampled flags, logprob bits,
 top logprobs: ``logprobs.pack``) whose device-to-host copy starts right after dispatch. Swaps
 stay separate programs that run only on the steps that swap.
@@ -22,6 +24,7 @@ from jaxtyping import Array, Int32
 from jbatch.engine import swap
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import engine_step, unpack_output
+from jbatch.engine.grammar import all_allowed
 from jbatch.engine.logprobs import HostTopLogprobs
 from jbatch.engine.state import EngineState, init_state
 from jbatch.engine.step_input import StepInput, StepInputLayout, all_layouts
@@ -72,11 +75,15 @@ class EngineCore:
             self._jit_sharded(step_kwargs)
         else:
             self._jit_single(step_kwargs)
+        allow_all = all_allowed(self.cfg.max_slots, self.model_cfg.vocab_size)
+        self._allow_all = jax.device_put(allow_all, self.device)
 
     # ---- compiling -----------------------------------------------------------------------------
     def _packed_step(self, layout: StepInputLayout, **step_kwargs):
-        def run(params, state, ints, floats):
-            state, out = engine_step(params, state, *layout.unpack(ints, floats), **step_kwargs)
+        def run(params, state, ints, floats, bitmask):
+            state, out = engine_step(
+                params, state, *layout.unpack(ints, floats), bitmask, **step_kwargs
+            )
             return state, out.packed()
 
         return run
@@ -120,7 +127,7 @@ class EngineCore:
         # layout), the state and every host input are pinned.
         jit = lambda layout: jax.jit(
             self._packed_step(layout, **step_kwargs),
-            in_shardings=(None, st, rep, rep),
+            in_shardings=(None, st, rep, rep, rep),
             out_shardings=(st, rep),
             donate_argnums=1,
         )
@@ -148,11 +155,19 @@ class EngineCore:
         return self.layouts[key].new()
 
     def step(
-        self, params: dict, state: EngineState, inp: StepInput
+        self,
+        params: dict,
+        state: EngineState,
+        inp: StepInput,
+        bitmask: Int32[np.ndarray, "slots words"] | None = None,
     ) -> tuple[EngineState, _Pending]:
-        """Dispatch one step (returns at once); the result's host copy is already under way."""
+        """Dispatch one step (returns at once); the result's host copy is already under way.
+        ``bitmask``: tokens each slot may sample (``grammar.GrammarCompiler.bitmask``; a fresh
+        array per step), None: all."""
         key = _key_of(inp)
-        state, packed = self._steps[key](params, state, inp.ints, inp.floats)
+        # Committed to the state's placement like the all-ones mask (one cache key: no compile).
+        mask = self._allow_all if bitmask is None else jax.device_put(bitmask, self.device)
+        state, packed = self._steps[key](params, state, inp.ints, inp.floats, mask)
         self.programs_run[key] += 1
         self._used_inputs.append((self._dispatched, inp))
         self._dispatched += 1
@@ -173,7 +188,9 @@ class EngineCore:
     def lower_step(self, params: dict, state: EngineState, rows: int, decode_rows: int):
         """The step program of one bucket pair, lowered (for inspecting the compiled HLO)."""
         inp = self.new_input(rows, decode_rows)
-        return self._steps[(rows, decode_rows)].lower(params, state, inp.ints, inp.floats)
+        return self._steps[(rows, decode_rows)].lower(
+            params, state, inp.ints, inp.floats, self._allow_all
+        )
 
     def swap_out(self, state: EngineState, slot: int, pages: np.ndarray):
         return self._swap_out(state, np.int32(slot), pages)

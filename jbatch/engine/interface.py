@@ -44,6 +44,8 @@ class EngineStats:
     busy_slots_while_queued: int  # busy slots summed over those steps
     host_seconds: float  # wall time in ``step()``, device waits included
     device_wait_seconds: float  # time ``step()`` blocked on device results
+    constrained_steps: int  # steps that read the previous step first (structured output)
+    bitmask_seconds: float  # host time filling token bitmasks (structured output)
     # Per tenant (every tenant seen since the scheduler was built): served tokens, queue, slots.
     tenants: dict[str, TenantStats] = dataclasses.field(default_factory=dict)
 

@@ -16,6 +16,11 @@ Data flow of one ``step()``:
 
 A token sampled in step N for a sequence that step N-1 finished (found only in step 3) is
 dropped: the cost of overlap is at most one wasted row per finishing sequence.
+
+Structured output (``engine/grammar.py``): when step N-1 sampled for a running request with a
+grammar, step N is planned and packed, then step N-1's tokens are read and fed to the grammar
+matchers, then step N's token bitmask is filled and step N is dispatched; step N-1's text and
+stop checks are done after that dispatch, as usual.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from jbatch.engine import batch_builder, logprob_host, stop_checker
+from jbatch.engine import batch_builder, grammar, logprob_host, snapshot, stop_checker
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.engine_core import EngineCore
 from jbatch.engine.interface import EngineStats, StepFailed
@@ -50,8 +55,13 @@ log = logging.getLogger(__name__)
 # Integer counters of ``EngineStats`` that the engine keeps itself.
 _COUNTERS = (
     "steps", "dispatches", "tokens", "prompt_tokens", "decode_rows", "swap_outs",
-    "steps_while_queued", "busy_slots_while_queued",
+    "steps_while_queued", "busy_slots_while_queued", "constrained_steps",
 )  # fmt: skip
+
+
+def _constrained(sched: SchedulerOutput) -> bool:
+    """Whether a step sampled for a running structured-output request."""
+    return any(seq.matcher is not None and not seq.finished for seq, _ in sched.samplers)
 
 
 class LLMEngine:
@@ -82,6 +92,7 @@ class LLMEngine:
         if warmup:
             self.state = self.core.warmup(params, self.state)
         self.scheduler = Scheduler(cfg)
+        self._grammars: grammar.GrammarCompiler | None = None  # built on first use
         self.requests: dict[str, Request] = {}
         self._inflight: collections.deque[tuple[SchedulerOutput, object]] = collections.deque()
         self._ids = itertools.count()
@@ -123,6 +134,7 @@ class LLMEngine:
             )
         if params.min_tokens:
             raise ValueError(f"min_tokens={params.min_tokens} is not supported yet")
+        matcher = None if params.structured is None else self._matcher(params)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
@@ -141,10 +153,21 @@ class LLMEngine:
             tenant=tenant,
             detokenizer=detok,
             output_kind=OutputKind(output_kind),
+            matcher=matcher,
         )
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def _matcher(self, params: SamplingParams):
+        """The grammar matcher of a structured request (ValueError if the spec is rejected)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer; this model has none")
+            self._grammars = grammar.GrammarCompiler(
+                self.tokenizer, self.model_cfg.vocab_size, self.eos_ids
+            )
+        return self._grammars.matcher(params.structured)
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -202,10 +225,28 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        outputs, early = [], []
+        lockstep = bool(self._inflight) and _constrained(self._inflight[-1][0])
+        if lockstep:
+            while len(self._inflight) > 1:
+                outputs += self._process(*self._inflight.popleft())
+
+        def feed_grammars() -> None:
+            # A grammar needs the token its request sampled in the step still in flight: once
+            # the next step is planned and packed, wait for that step and feed its tokens to
+            # the matchers; then the next step's bitmask can be filled and the step dispatched.
+            # The rest of its processing (text, stop checks) overlaps the next step.
+            if lockstep and not early:
+                prev, handle = self._inflight.popleft()
+                result = self._fetch(handle)
+                early.append((prev, result, self._advance_grammars(prev, result.tokens)))
+                self.counters["constrained_steps"] += 1
+
         sched = self.scheduler.schedule()
-        dispatched = self._dispatch(sched)
+        dispatched = self._dispatch(sched, feed_grammars)
+        feed_grammars()  # if nothing was dispatched
+        outputs += self._process_result(*early[0]) if early else []
         keep = 1 if (dispatched and self.cfg.async_scheduling) else 0
-        outputs = []
         while len(self._inflight) > keep:
             outputs += self._process(*self._inflight.popleft())
         if not (dispatched or sched.swap_ins or self._inflight) and self.scheduler.running:
@@ -214,7 +255,7 @@ class LLMEngine:
             self.scheduler.check_invariants()
         return outputs
 
-    def _dispatch(self, sched: SchedulerOutput) -> bool:
+    def _dispatch(self, sched: SchedulerOutput, before_step=lambda: None) -> bool:
         """Device order: swap-outs (before any reuse of their slots and pages), then the one
         step program (releases, inserts, the model step), then swap-ins (a swapped-in request
         takes part from the next step on). Returns whether the step had model work."""
@@ -229,7 +270,8 @@ class LLMEngine:
         # must land before a swap-in reuses their slot; inserts go out now.
         if work or sched.inserts or (sched.releases and sched.swap_ins):
             inp = batch_builder.build_step_input(self.cfg, core, sched)
-            self.state, handle = core.step(self.params, self.state, inp)
+            before_step()
+            self.state, handle = core.step(self.params, self.state, inp, self._bitmask(sched))
             self._inflight.append((sched, handle))
             counters["dispatches"] += 1
         elif sched.releases:
@@ -249,15 +291,48 @@ class LLMEngine:
         counters["prompt_tokens"] += sum(len(c.token_ids) for c in sched.chunks)
         return True
 
+    def _bitmask(self, sched: SchedulerOutput) -> np.ndarray | None:
+        """The step's token bitmask, None when no constrained request samples in it."""
+        rows = [
+            (seq.matcher, slot)
+            for seq, slot in sched.samplers
+            if seq.matcher is not None and not seq.finished
+        ]
+        if not rows:
+            return None
+        t0 = time.perf_counter()
+        mask = self._grammars.bitmask(rows, self.cfg.max_slots)
+        self.counters["bitmask_seconds"] += time.perf_counter() - t0
+        return mask
+
     def _pages(self, pages: list[int]) -> np.ndarray:
         padded = self.core.unused_pages()
         padded[: len(pages)] = pages
         return padded
 
     def _process(self, sched: SchedulerOutput, handle) -> list[RequestOutput]:
+        result = self._fetch(handle)
+        return self._process_result(sched, result, self._advance_grammars(sched, result.tokens))
+
+    def _fetch(self, handle):
         t0 = time.perf_counter()
         result = self.core.fetch(handle)
         self.counters["device_wait_seconds"] += time.perf_counter() - t0
+        return result
+
+    @staticmethod
+    def _advance_grammars(sched: SchedulerOutput, tokens: np.ndarray) -> dict[int, tuple]:
+        """Feed each running structured request its sampled token; the ones that must end
+        (``id(request) -> (finish_reason, error)``)."""
+        ends = {}
+        for seq, slot in sched.samplers:
+            if seq.matcher is not None and not seq.finished:
+                end = grammar.advance(seq.matcher, int(tokens[slot]))
+                if end is not None:
+                    ends[id(seq)] = end
+        return ends
+
+    def _process_result(self, sched: SchedulerOutput, result, ends: dict) -> list[RequestOutput]:
         if sched.prompt_logprob_rows:
             rows = sched.prompt_logprob_rows
             logprob_host.read_prompt(rows, result.prompt_top, self._token_texts)
@@ -276,6 +351,9 @@ class LLMEngine:
                 lp = (tokens[slot], logprobs[slot], result.top, self._token_texts)
                 logprob_host.read_token(seq, slot, *lp)
             done = stop_checker.append_token(seq, tokens[slot], logprobs[slot])
+            end = ends.get(id(seq))
+            if end is not None and (done is None or end[0] == "error"):
+                done, seq.error = (end[0], None), end[1]  # the grammar ended (or failed)
             if done is not None:
                 self.scheduler.finish(seq, *done)
             out = self._output(seq)
@@ -301,6 +379,7 @@ class LLMEngine:
         )  # fmt: skip
         return RequestOutput(
             seq.request_id, seq.prompt, seq.prompt_ids, [completion], finished, self._metrics(seq),
+            error=seq.error,
             prompt_logprobs=logprob_host.prompt_logprobs_to_send(seq),
         )  # fmt: skip
 
@@ -348,6 +427,7 @@ class LLMEngine:
             **{name: c[name] for name in _COUNTERS},
             host_seconds=c["host_seconds"],
             device_wait_seconds=c["device_wait_seconds"],
+            bitmask_seconds=c["bitmask_seconds"],
             tenants=sched.ledger.snapshot(s.tenant for s in sched.running.values()),
         )
 
@@ -400,6 +480,15 @@ class LLMEngine:
             return False
         self.requests.pop(request_id, None)
         return True
+
+    def snapshot(self, directory) -> list[RequestOutput]:
+        """Save every in-flight request to ``directory`` (``engine/snapshot.py``); returns the
+        outputs of the step that was in flight (deliver them). The engine keeps running."""
+        return snapshot.save(self, directory)
+
+    def restore(self, directory) -> None:
+        """Continue the work saved by :meth:`snapshot` (same model and config; idle engine)."""
+        snapshot.load(self, directory)
 
     def drain(self) -> list[RequestOutput]:
         """Wait for in-flight steps (before inspecting device state in tests); their outputs."""

@@ -41,6 +41,13 @@ def expected_tokens(prompt, max_tokens: int, seed: int, sampled: bool, vocab: in
     return out
 
 
+def _next_allowed(words: np.ndarray, token: int, vocab: int) -> int:
+    """The first token at or after ``token`` (wrapping) whose bit is set in ``words``."""
+    bits = ((words[:, None].astype(np.int64) >> np.arange(32)) & 1).reshape(-1)[:vocab]
+    allowed = np.flatnonzero(np.roll(bits, -token))
+    return int((token + allowed[0]) % vocab) if allowed.size else token
+
+
 @dataclasses.dataclass
 class MockState:
     pool: np.ndarray  # [P, S] token id written at each (page, offset); -1 = never written
@@ -66,10 +73,10 @@ class MockCore:
     def new_input(self, rows: int, decode_rows: int) -> StepInput:
         return self.layouts[(rows, decode_rows)].new()
 
-    def step(self, params, st: MockState, inp: StepInput):
+    def step(self, params, st: MockState, inp: StepInput, bitmask=None):
         release, ins, batch = inp.structured()
         st = self.insert(self.release(st, release), ins)
-        return self._step(st, batch)
+        return self._step(st, batch, bitmask)
 
     def fetch(self, out) -> StepResult:
         return StepResult(out.tokens, out.sampled, out.logprobs)
@@ -123,7 +130,7 @@ class MockCore:
         assert (tokens >= 0).all(), f"slot {slot} reads a position never written"
         return tokens.tolist()
 
-    def _step(self, st: MockState, b):
+    def _step(self, st: MockState, b, bitmask=None):
         s = self.cfg.max_slots
         for slot, idx, page in zip(b.write_slots, b.write_index, b.write_pages):
             if slot < s:
@@ -151,6 +158,8 @@ class MockCore:
             new[slot] = next_token(
                 seq, st.seed[slot], st.num_generated[slot], sampled_token, self.vocab
             )
+            if bitmask is not None:  # structured output: the next allowed token, cyclically
+                new[slot] = _next_allowed(bitmask[slot], new[slot], self.vocab)
         st.tokens = np.where(sampled, new, st.tokens)
         st.num_generated += sampled
         out = types.SimpleNamespace(tokens=new, sampled=sampled, logprobs=np.zeros(s))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 from jbatch.engine.page_allocator import chain_hash
 from jbatch.engine.state import decodes
@@ -37,6 +38,8 @@ class Request:
     tenant: str = DEFAULT_TENANT  # who the request belongs to (tenants.py; fair share)
     detokenizer: IncrementalDetokenizer | None = None
     output_kind: OutputKind = OutputKind.DELTA
+    matcher: Any = None  # llguidance.LLMatcher of a structured request (engine/grammar.py)
+    error: str | None = None  # why the request failed (finish reason "error")
 
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None

@@ -7,12 +7,13 @@ sort (slow on CPU): top-k / top-p thresholds come from the ``CANDIDATES`` larges
 rows whose k or nucleus is larger, from an exact 32-pass bisection over the float order.
 
 Order (vLLM / Hugging Face semantics): 1. repetition penalty over prompt ∪ output tokens, then
-presence / frequency penalties over output tokens only; 2. rows with temperature < GREEDY_EPS
-take the argmax of the penalised logits; 3. other rows: divide by temperature, top-k, top-p (on
-the top-k renormalised distribution), min-p (ties at every threshold are kept), then
-inverse-CDF sampling with one uniform from ``fold_in(key(seed), step_index)`` per row. A row's
-token depends only on its own logits, parameters, seed and step: all float sums use a fixed
-pairwise order (batch invariance).
+presence / frequency penalties over output tokens only; 1b. structured output: tokens whose bit
+is clear in the row's ``allowed`` bitmask get -inf (skipped when every bit is set); 2. rows
+with temperature < GREEDY_EPS take the argmax of the penalised logits; 3. other rows: divide by
+temperature, top-k, top-p (on the top-k renormalised distribution), min-p (ties at every
+threshold are kept), then inverse-CDF sampling with one uniform from ``fold_in(key(seed),
+step_index)`` per row. A row's token depends only on its own logits, parameters, seed and step:
+all float sums use a fixed pairwise order (batch invariance).
 The returned logprob is that of the chosen token under ``log_softmax(logits)`` (raw model).
 """
 
@@ -244,14 +245,26 @@ def _random_tokens(
     return _inverse_cdf(filtered_logits(x, sp, greedy), u)  # [S]
 
 
+def apply_bitmask(
+    x: Float[Array, "slots vocab"], allowed: Int32[Array, "slots words"]
+) -> Float[Array, "slots vocab"]:
+    """``x`` with -inf wherever token ``t``'s bit (bit ``t % 32`` of word ``t // 32``) is clear."""
+    slots, vocab = x.shape
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    ok = bits.reshape(slots, -1)[:, :vocab] != 0  # [S, V]
+    return jnp.where(ok, x, -jnp.inf)
+
+
 def sample(
     logits: Float[Array, "slots vocab"],
     sp: SlotSampling,
     step_index: Int32[Array, " slots"],
     prompt_mask: Bool[Array, "slots vocab"],
     output_counts: Int32[Array, "slots vocab"],
+    allowed: Int32[Array, "slots words"] | None = None,
 ) -> tuple[Int32[Array, " slots"], Float[Array, " slots"]]:
-    """Pick one token per slot; returns (token ids [S], raw-model logprob of each token [S])."""
+    """Pick one token per slot; returns (token ids [S], raw-model logprob of each token [S]).
+    ``allowed``: a token bitmask per slot (structured output; all ones = unconstrained)."""
     logits = logits.astype(jnp.float32)  # [S, V]
     pen = uses_penalties(sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty)
     x = jax.lax.cond(
@@ -259,6 +272,8 @@ def sample(
         lambda: _apply_penalties(logits, sp, prompt_mask, output_counts),
         lambda: logits,
     )  # [S, V]
+    if allowed is not None:
+        x = jax.lax.cond(jnp.any(allowed != -1), apply_bitmask, lambda x, _: x, x, allowed)
     greedy = is_greedy(sp.temperature)  # [S]
     greedy_tok = argmax(x)  # [S]
     tokens = jax.lax.cond(

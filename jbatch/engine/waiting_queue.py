@@ -75,6 +75,14 @@ class WaitingQueue:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __getstate__(self) -> dict:
+        """Pickled without the ``id``-keyed index (ids change on unpickling: rebuilt)."""
+        return {k: v for k, v in vars(self).items() if k != "_entries"}
+
+    def __setstate__(self, state: dict) -> None:
+        vars(self).update(state)
+        self._entries = {id(e[2]): e for e in self._heap if e[3]}
+
     def __bool__(self) -> bool:
         return bool(self._entries)
 

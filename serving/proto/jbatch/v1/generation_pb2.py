@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajbatch/v1/generation.proto\x12\tjbatch.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd1\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nignore_eos\x18\r \x01(\x08H\t\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08H\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0b\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12\x15\n\x08logprobs\x18\x11 \x01(\x05H\r\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x05H\x0e\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsJ\x04\x08\x01\x10\x02R\x01n\"\xc5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.jbatch.v1.TokenIdsH\x00\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.jbatch.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0e\n\x06tenant\x18\n \x01(\tB\x08\n\x06promptJ\x04\x08\x06\x10\n\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"N\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05token\x18\x04 \x01(\t\"`\n\x10PositionLogprobs\x12&\n\x05token\x18\x01 \x01(\x0b\x32\x17.jbatch.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.jbatch.v1.TokenLogprob\"\xbc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.jbatch.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.jbatch.v1.Usage\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.jbatch.v1.PositionLogprobs\x12\x34\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1b.jbatch.v1.PositionLogprobsB\r\n\x0bstop_reason\"\x15\n\x13GetModelInfoRequest\"\xf8\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x03 \x01(\x05\x12\x11\n\tmax_slots\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x30\n\x06limits\x18\x08 \x03(\x0b\x32 .jbatch.v1.ModelInfo.LimitsEntry\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x99\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.jbatch.v1.GenerateRequest\x1a\x1b.jbatch.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.jbatch.v1.GetModelInfoRequest\x1a\x14.jbatch.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajbatch/v1/generation.proto\x12\tjbatch.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x94\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x10 \x01(\x05H\r\x88\x01\x01\x12\x15\n\x08logprobs\x18\x11 \x01(\x05H\x0e\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x05H\x0f\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x13 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x15 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x16 \x01(\x0b\x32\x15.jbatch.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x17 \x01(\tH\x00\x12 \n\x13whitespace_flexible\x18\x18 \x01(\x08H\x10\x88\x01\x01\x42\x0c\n\nstructuredB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_whitespace_flexibleJ\x04\x08\x01\x10\x02R\x01n\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.jbatch.v1.TokenIdsH\x00\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.jbatch.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0e\n\x06tenant\x18\n \x01(\tB\x08\n\x06promptJ\x04\x08\x06\x10\n\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"N\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05token\x18\x04 \x01(\t\"`\n\x10PositionLogprobs\x12&\n\x05token\x18\x01 \x01(\x0b\x32\x17.jbatch.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.jbatch.v1.TokenLogprob\"\xbc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.jbatch.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.jbatch.v1.Usage\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.jbatch.v1.PositionLogprobs\x12\x34\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1b.jbatch.v1.PositionLogprobsB\r\n\x0bstop_reason\"\x15\n\x13GetModelInfoRequest\"\xf8\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x03 \x01(\x05\x12\x11\n\tmax_slots\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x30\n\x06limits\x18\x08 \x03(\x0b\x32 .jbatch.v1.ModelInfo.LimitsEntry\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x99\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.jbatch.v1.GenerateRequest\x1a\x1b.jbatch.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.jbatch.v1.GetModelInfoRequest\x1a\x14.jbatch.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,28 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MODELINFO_LIMITSENTRY']._loaded_options = None
   _globals['_MODELINFO_LIMITSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1820
-  _globals['_FINISHREASON']._serialized_end=1940
+  _globals['_FINISHREASON']._serialized_start=2046
+  _globals['_FINISHREASON']._serialized_end=2166
   _globals['_TOKENIDS']._serialized_start=41
   _globals['_TOKENIDS']._serialized_end=64
   _globals['_SAMPLINGPARAMS']._serialized_start=67
-  _globals['_SAMPLINGPARAMS']._serialized_end=788
-  _globals['_GENERATEREQUEST']._serialized_start=791
-  _globals['_GENERATEREQUEST']._serialized_end=988
-  _globals['_USAGE']._serialized_start=990
-  _globals['_USAGE']._serialized_end=1047
-  _globals['_TOKENLOGPROB']._serialized_start=1049
-  _globals['_TOKENLOGPROB']._serialized_end=1127
-  _globals['_POSITIONLOGPROBS']._serialized_start=1129
-  _globals['_POSITIONLOGPROBS']._serialized_end=1225
-  _globals['_GENERATERESPONSE']._serialized_start=1228
-  _globals['_GENERATERESPONSE']._serialized_end=1544
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1546
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1567
-  _globals['_MODELINFO']._serialized_start=1570
-  _globals['_MODELINFO']._serialized_end=1818
-  _globals['_MODELINFO_LIMITSENTRY']._serialized_start=1773
-  _globals['_MODELINFO_LIMITSENTRY']._serialized_end=1818
-  _globals['_GENERATION']._serialized_start=1943
-  _globals['_GENERATION']._serialized_end=2096
+  _globals['_SAMPLINGPARAMS']._serialized_end=983
+  _globals['_CHOICELIST']._serialized_start=985
+  _globals['_CHOICELIST']._serialized_end=1014
+  _globals['_GENERATEREQUEST']._serialized_start=1017
+  _globals['_GENERATEREQUEST']._serialized_end=1214
+  _globals['_USAGE']._serialized_start=1216
+  _globals['_USAGE']._serialized_end=1273
+  _globals['_TOKENLOGPROB']._serialized_start=1275
+  _globals['_TOKENLOGPROB']._serialized_end=1353
+  _globals['_POSITIONLOGPROBS']._serialized_start=1355
+  _globals['_POSITIONLOGPROBS']._serialized_end=1451
+  _globals['_GENERATERESPONSE']._serialized_start=1454
+  _globals['_GENERATERESPONSE']._serialized_end=1770
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1772
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1793
+  _globals['_MODELINFO']._serialized_start=1796
+  _globals['_MODELINFO']._serialized_end=2044
+  _globals['_MODELINFO_LIMITSENTRY']._serialized_start=1999
+  _globals['_MODELINFO_LIMITSENTRY']._serialized_end=2044
+  _globals['_GENERATION']._serialized_start=2169
+  _globals['_GENERATION']._serialized_end=2322
 # @@protoc_insertion_point(module_scope)
