@@ -170,7 +170,6 @@ NOT_SUPPORTED_YET: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "logit_bias": (None, {}),
-    "top_logprobs": (None, 0),  # chat's (declared there); not a field of completions
     "suffix": (None, ""),
     "best_of": (None, 1),
     "modalities": (None, ["text"]),
