@@ -228,3 +228,35 @@ def test_grpc_logprob_fields(served):
     for j, (t, p) in enumerate(zip(out_ids, per_token)):
         assert p.token.token_id == t and p.token.rank == 1  # greedy: the top token
         assert [x.token_id for x in p.top] == np.argsort(-rows[len(prompt) - 1 + j])[:2].tolist()
+
+
+def test_prompt_positions_once_through_recompute_preemptions():
+    """Host bookkeeping on the numpy MockCore (no compiles): a request preempted and prefilled
+    again still gets each prompt position once, in order."""
+    import types
+
+    from jbatch.engine.config import EngineConfig
+    from jbatch.engine.llm_engine import LLMEngine
+    from jbatch.engine.mock_core import MockCore
+
+    cfg = EngineConfig(
+        max_slots=3, page_size=4, num_pages=12, max_num_batched_tokens=16, max_seq_len=40,
+        block_q=4, preemption_mode="recompute",
+    )  # fmt: skip
+    model_cfg = types.SimpleNamespace(vocab_size=64, max_position_embeddings=64)
+    engine = LLMEngine(model_cfg, None, cfg, core=MockCore(cfg, 64))
+    prompts = [[(7 * i + j) % 61 + 3 for j in range(18)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=2)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=str(i))
+    firsts = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                assert out.request_id not in firsts, "prompt logprobs sent twice"
+                firsts[out.request_id] = out.prompt_logprobs
+    assert engine.stats().preemptions > 0
+    for i, p in enumerate(prompts):
+        got = firsts[str(i)]
+        assert len(got) == len(p) and got[0] is None
+        assert [next(iter(e)) for e in got[1:]] == p[1:]  # MockCore: only the token itself
