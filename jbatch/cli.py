@@ -171,6 +171,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "on SIGTERM before they are aborted"
     )  # fmt: skip
     srv.add_argument(
+        "--snapshot-dir", default=None, help="on SIGTERM snapshot every in-flight request here "
+        "instead of finishing them; on start, restore a snapshot found here (gRPC clients "
+        "resume their streams: serving/resumable.py)"
+    )  # fmt: skip
+    srv.add_argument(
         "--tool-call-parser", choices=PARSER_CHOICES, default="auto", help="the format of tool "
         "calls in chat output: hermes (<tool_call>...</tool_call>), llama3_json, none (never "
         "parse); auto (default): from the chat template, else hermes"
@@ -217,6 +222,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         max_queue=args.max_queue,
         shutdown_timeout=args.shutdown_timeout,
+        snapshot_dir=args.snapshot_dir,
         model_name=args.served_model_name or Path(args.model).resolve().name,
         tool_call_parser=args.tool_call_parser,
         **hardening_config(args),
