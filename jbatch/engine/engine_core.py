@@ -182,12 +182,16 @@ class EngineCore:
         self._fetched = max(self._fetched, pending.index + 1)  # this step and all before: done
         return result
 
-    def lower_step(self, params: dict, state: EngineState, rows: int, decode_rows: int):
-        """The step program of one bucket pair, lowered (for inspecting the compiled HLO)."""
+    def lower_step(
+        self, params: dict, state: EngineState, rows: int, decode_rows: int, platforms=None
+    ):
+        """The step program of one bucket pair, lowered (for inspecting the compiled HLO);
+        ``platforms`` (e.g. ``("tpu",)``) cross-lowers for other backends."""
         inp = self.new_input(rows, decode_rows)
-        return self._steps[(rows, decode_rows)].lower(
+        traced = self._steps[(rows, decode_rows)].trace(
             params, state, inp.ints, inp.floats, self._allow_all
         )
+        return traced.lower(lowering_platforms=platforms)
 
     def swap_out(self, state: EngineState, slot: int, pages: np.ndarray):
         return self._swap_out(state, np.int32(slot), pages)
