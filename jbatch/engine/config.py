@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from jbatch.engine.sizing import parse_memory
 from jbatch.engine.tenants import check_weights
 from jbatch.models.quant import WeightQuant
@@ -16,6 +18,11 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 SCHEDULING_POLICIES = ("priority", "fcfs", "fair")
 
 
+def default_dtype() -> str:
+    """The model dtype when none is given: bfloat16 on accelerators, float32 on CPU."""
+    return "bfloat16" if jax.default_backend() in ("gpu", "tpu") else "float32"
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Static engine sizes. Each field maps onto a CLI flag of the same name (``--max-slots``...).
@@ -26,6 +33,8 @@ class EngineConfig:
     max_num_batched_tokens: token budget of one step (decode tokens + prompt-chunk tokens).
     max_seq_len: longest sequence (prompt + output) a slot may hold (None: the model's
         ``max_position_embeddings``, capped by the pool).
+    dtype: weights and activations (None: "bfloat16" on GPU/TPU, "float32" on CPU, where tests
+        compare with HF); logits and sampling math are float32 either way.
     block_q: prompt chunks are laid out in blocks of this many query rows (one sequence a block).
     attn_impl: paged attention implementation: "auto" (the Pallas kernel on GPU, JAX's TPU
         ragged kernel on TPU for float pools, XLA elsewhere), "xla", "reference", "pallas",
@@ -62,7 +71,7 @@ class EngineConfig:
     num_pages: int | None = None
     max_num_batched_tokens: int = 256
     max_seq_len: int | None = None
-    dtype: str = "float32"
+    dtype: str | None = None
     block_q: int = 16
     attn_impl: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -107,6 +116,8 @@ class EngineConfig:
                 f"got {self.scheduling_policy!r}"
             )
         object.__setattr__(self, "tenant_weights", check_weights(self.tenant_weights))
+        if self.dtype is None:
+            object.__setattr__(self, "dtype", default_dtype())
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         self.weight_quant  # noqa: B018 (validates quantization and quantize_lm_head)
