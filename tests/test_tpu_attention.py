@@ -91,17 +91,27 @@ CASES = {
 }  # fmt: skip
 
 
+ON_TPU = jax.default_backend() == "tpu"
+
+
+@pytest.mark.parametrize("kernel", ["jax_reference", "native"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_adapter_through_jax_reference_matches_jbatch(name):
+def test_adapter_through_jax_reference_matches_jbatch(name, kernel):
+    """``jax_reference``: the adapter's arguments through JAX's reference (any backend);
+    ``native``: through the kernel itself, jitted (TPU only: scripts/tpu_check.sh)."""
+    if kernel == "native" and not ON_TPU:
+        pytest.skip("JAX's TPU kernel runs only on a TPU (not in interpret mode on CPU)")
     case = dict(CASES[name])
     kw, dtype = case.pop("kw", {}), case.pop("dtype", jnp.float32)
     x = make_rows(np.random.RandomState(len(name)), block_q=8, max_pages=4, dtype=dtype, **case)
     layout = TpuPoolLayout.of(case["kvh"], case["d"], dtype)
     kv = interleave(x["k"], x["v"], layout)  # the pool as the engine stores it on TPU
-    got = tpu_paged_attention_rows(
-        x["q"], kv, x["row_entry"], x["tables"], x["positions"], layout,
-        kernel=jax_reference(x["q"].shape[0]), **kw,
-    )  # fmt: skip
+    rows = (x["q"], kv, x["row_entry"], x["tables"], x["positions"])
+    if kernel == "native":
+        run = lambda *a: tpu_paged_attention_rows(*a, layout, **kw)
+        got = jax.jit(run)(*rows)
+    else:
+        got = tpu_paged_attention_rows(*rows, layout, kernel=jax_reference(rows[0].shape[0]), **kw)
     want = jax.jit(paged_attention_reference, static_argnames=tuple(kw))(
         x["q"][:, None], x["k"], x["v"], x["tables"][x["row_entry"]], x["positions"][:, None],
         **kw,
