@@ -9,19 +9,20 @@ kernel (``kernel=None``) or any function of the same signature (tests pass JAX's
 
 The kernel does not run on CPU (not in TPU interpret mode either, on jax 0.10.2 / 0.12), so CPU
 can check the adapter against JAX's reference and the Mosaic lowering
-(:func:`tpu_lowering_context`); only a TPU runs it.
+(:func:`pallas_kernels.cross_lowering.tpu_lowering_context`); only a TPU runs it.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Shaped
 
+from pallas_kernels.cross_lowering import tpu_lowering_context
 from pallas_kernels.ragged_rows import PackedRows, pack_rows
 from pallas_kernels.tpu_layout import TpuPoolLayout, pad_query_heads, unpad_query_heads
+
+__all__ = ["tpu_kernel_args", "tpu_lowering_context", "tpu_paged_attention_rows"]
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 # Off TPU the kernel cannot look its block sizes up (it asks the chip): use its own untuned
@@ -129,13 +130,3 @@ def tpu_paged_attention_rows(
         kw.update(block_sizes(q.shape[0], entry_tables.shape[1]))
     out = kernel(*args, **kw)  # [T, Hp, Dp]
     return rows.unpack(unpad_query_heads(out, layout, q.shape[1]), q.dtype)
-
-
-@contextlib.contextmanager
-def tpu_lowering_context(device_kind: str = "TPU v5 lite"):
-    """Trace and lower for TPU on a host without one: Mosaic's lowering asks the chip's
-    generation, which it reads from the abstract mesh's device when one is set."""
-    dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("_tpu",), abstract_device=dev)
-    with jax.sharding.use_abstract_mesh(mesh):
-        yield
