@@ -16,7 +16,8 @@ import jax
 def abstract_device(device_kind: str, platform: str):
     """Trace and lower as if the default device were a ``device_kind`` on ``platform``."""
     dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform=platform)
-    mesh = jax.sharding.AbstractMesh((1,), ("_target",), abstract_device=dev)
+    auto = (jax.sharding.AxisType.Auto,)  # newer jax defaults to Explicit: no sharding types
+    mesh = jax.sharding.AbstractMesh((1,), ("_target",), auto, abstract_device=dev)
     with jax.sharding.use_abstract_mesh(mesh):
         yield
 

@@ -13,7 +13,7 @@ spec="${2:-jax}"
 py="$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python"
 [ -x "$py" ] || py="$(command -v python3.12)"
 [ -d "$venv" ] || "$py" -m venv "$venv"
-"$venv/bin/pip" install -q -U "$spec" jaxtyping flax safetensors numpy pytest
+"$venv/bin/pip" install -q -U "$spec" jaxtyping flax safetensors numpy pytest tokenizers tqdm orbax-checkpoint
 "$venv/bin/python" -c "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__)"
 cd "$root"
 export PYTHONPATH="$root" JAX_PLATFORMS=cpu JBATCH_COMPILATION_CACHE=off
