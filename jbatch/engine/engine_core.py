@@ -25,6 +25,7 @@ from jbatch.engine import swap
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import engine_step, unpack_output
 from jbatch.engine.grammar import all_allowed
+from jbatch.engine.precompile import compile_all
 from jbatch.engine.state import EngineState, init_state
 from jbatch.engine.step_input import StepInput, StepInputLayout, all_layouts
 from jbatch.models.config import ModelConfig
@@ -221,6 +222,7 @@ class EngineCore:
 
     def warmup(self, params: dict, state: EngineState) -> EngineState:
         """Compile every program the engine will ever run (one step per bucket pair)."""
+        compile_all([self.lower_step(params, state, *key) for key in self.layouts])
         if self.cfg.preemption_mode != "recompute":
             state, saved = self.swap_out(state, 0, self.unused_pages())
             saved = self.to_device(self.to_host(saved))  # the round trip a swap makes
