@@ -7,6 +7,10 @@ same directory). Results go to docs/bench_warmup.json.
 
     PYTHONPATH=. python scripts/bench_warmup.py              # 30 layers, default settings
     PYTHONPATH=. python scripts/bench_warmup.py --layers 4   # quicker
+    PYTHONPATH=. python scripts/bench_warmup.py --shapes-only   # 32 x 4096 (Llama-3-8B shape)
+
+``--shapes-only`` compiles (no weights, no run) every step program of a 32-layer 4096-wide
+model on abstract params: lowering serially, then ``precompile.compile_all``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,46 @@ def one_run(model: str, cache_dir: str) -> None:
     print(json.dumps(dict(seconds=time.perf_counter() - t0, import_s=t_import, programs=programs)))
 
 
+LLAMA3_8B = dict(
+    model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
+)  # fmt: skip
+
+
+def shapes_only(dtype: str = "bfloat16") -> dict:
+    """Compile time of every default step program of a Llama-3-8B-shaped model, abstractly."""
+    import jax
+    import jax.numpy as jnp
+
+    from jbatch.engine.config import EngineConfig
+    from jbatch.engine.engine_core import EngineCore
+    from jbatch.engine.precompile import compile_all
+    from jbatch.engine.sizing import resolve
+    from jbatch.engine.state import init_state
+    from jbatch.models.config import ModelConfig
+    from jbatch.param_layout import expected_param_shapes
+
+    model_cfg = ModelConfig.from_hf_dict(LLAMA3_8B)
+    cfg = resolve(EngineConfig(dtype=dtype, max_seq_len=2048), model_cfg)
+    shapes = expected_param_shapes(model_cfg)
+    sds = lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    params = {k: sds(v) for k, v in shapes.items() if k != "layers"}
+    params["layers"] = tuple(
+        {k: sds(v[1:]) for k, v in shapes["layers"].items()} for _ in range(model_cfg.num_layers)
+    )
+    core = EngineCore(model_cfg, cfg)
+    state = jax.eval_shape(lambda: init_state(model_cfg, cfg))
+    t0 = time.perf_counter()
+    lowered = [core.lower_step(params, state, *key) for key in core.layouts]
+    t1 = time.perf_counter()
+    compile_all(lowered)
+    t2 = time.perf_counter()
+    return dict(model="Llama-3-8B shape (32 x 4096, 32/8 heads, vocab 128256)", dtype=dtype,
+                programs=len(lowered), trace_lower_s=round(t1 - t0, 1),
+                compile_s=round(t2 - t1, 1))  # fmt: skip
+
+
 def measure(model: str, cache_dir: str) -> dict:
     out = subprocess.run(
         [sys.executable, __file__, "--child", model, "--cache", cache_dir],
@@ -49,9 +93,15 @@ def main() -> None:
     ap.add_argument("--child", default=None)
     ap.add_argument("--cache", default="off")
     ap.add_argument("--out", default="docs/bench_warmup.json")
+    ap.add_argument("--shapes-only", action="store_true")
     args = ap.parse_args()
     if args.child:
         return one_run(args.child, args.cache)
+    if args.shapes_only:
+        result = shapes_only()
+        print(json.dumps(result))
+        Path("docs/bench_warmup_8b_shapes.json").write_text(json.dumps(result, indent=2) + "\n")
+        return None
     from jbatch.tiny_model import write_random_llama
 
     with tempfile.TemporaryDirectory() as tmp:
