@@ -180,6 +180,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "calls in chat output: hermes (<tool_call>...</tool_call>), llama3_json, none (never "
         "parse); auto (default): from the chat template, else hermes"
     )  # fmt: skip
+    srv.add_argument(
+        "--compilation-cache", default=None, metavar="DIR|off", help="persistent XLA "
+        "compilation cache (default: $JBATCH_COMPILATION_CACHE, else ~/.cache/jbatch/xla)"
+    )  # fmt: skip
     add_hardening_flags(srv)
     _add_engine_flags(srv)
     _add_distributed_flags(srv)
@@ -209,7 +213,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from jbatch import LLM
+    from jbatch import LLM, compile_cache
     from serving.server import ServeConfig, serve
 
     if args.max_queue < 1:
@@ -229,6 +233,10 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if not Path(args.model).is_dir():
         raise FileNotFoundError(f"--model {args.model}: no such folder")
+    if args.compilation_cache is not None:
+        compile_cache.enable(args.compilation_cache)
+    else:
+        compile_cache.from_env(compile_cache.default_dir())
     return serve(lambda: LLM(args.model, **_engine_kwargs(args)).engine, config)
 
 
