@@ -171,9 +171,18 @@ def _build_parser() -> argparse.ArgumentParser:
         "on SIGTERM before they are aborted"
     )  # fmt: skip
     srv.add_argument(
+        "--snapshot-dir", default=None, help="on SIGTERM snapshot every in-flight request here "
+        "instead of finishing them; on start, restore a snapshot found here (gRPC clients "
+        "resume their streams: serving/resumable.py)"
+    )  # fmt: skip
+    srv.add_argument(
         "--tool-call-parser", choices=PARSER_CHOICES, default="auto", help="the format of tool "
         "calls in chat output: hermes (<tool_call>...</tool_call>), llama3_json, none (never "
         "parse); auto (default): from the chat template, else hermes"
+    )  # fmt: skip
+    srv.add_argument(
+        "--compilation-cache", default=None, metavar="DIR|off", help="persistent XLA "
+        "compilation cache (default: $JBATCH_COMPILATION_CACHE, else ~/.cache/jbatch/xla)"
     )  # fmt: skip
     add_hardening_flags(srv)
     _add_engine_flags(srv)
@@ -204,7 +213,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from jbatch import LLM
+    from jbatch import LLM, compile_cache
     from serving.server import ServeConfig, serve
 
     if args.max_queue < 1:
@@ -217,12 +226,17 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         max_queue=args.max_queue,
         shutdown_timeout=args.shutdown_timeout,
+        snapshot_dir=args.snapshot_dir,
         model_name=args.served_model_name or Path(args.model).resolve().name,
         tool_call_parser=args.tool_call_parser,
         **hardening_config(args),
     )
     if not Path(args.model).is_dir():
         raise FileNotFoundError(f"--model {args.model}: no such folder")
+    if args.compilation_cache is not None:
+        compile_cache.enable(args.compilation_cache)
+    else:
+        compile_cache.from_env(compile_cache.default_dir())
     return serve(lambda: LLM(args.model, **_engine_kwargs(args)).engine, config)
 
 

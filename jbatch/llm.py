@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from jbatch import compile_cache
 from jbatch.checkpoint import load_generation_config
 from jbatch.converted import engine_config, load_weights
 from jbatch.engine.config import EngineConfig
@@ -45,6 +46,7 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; valid: {sorted(fields)}")
         self.config = EngineConfig(**engine_kwargs)
+        compile_cache.from_env()  # opt-in for the library (JBATCH_COMPILATION_CACHE)
         check_backend(self.config.kv_cache_dtype)  # before any weights load
         if not Path(model).is_dir():
             raise FileNotFoundError(f"{model}: model directory not found")

@@ -2,7 +2,9 @@
 
 ``impl`` is static (a Python string), so the choice is made at trace time and costs nothing per
 step. ``"auto"`` resolves to the fastest implementation available on the default backend: the
-Pallas ragged kernel on GPU, the chunked XLA path elsewhere. ``"pallas_interpret"`` runs the same
+Pallas ragged kernel on GPU, JAX's TPU ragged kernel on TPU (float pools; ``"tpu"``, through
+:mod:`pallas_kernels.tpu_attention`, which the model calls itself), the chunked XLA path
+elsewhere. ``"pallas_interpret"`` runs the same
 Pallas kernel in interpret mode (any backend, slow): it is how CPU tests exercise the GPU kernel.
 """
 
@@ -17,20 +19,28 @@ from jaxtyping import Array, Float, Int, Shaped
 from pallas_kernels.paged_attention_reference import paged_attention_reference
 from pallas_kernels.paged_attention_xla import paged_attention_xla
 from pallas_kernels.ragged_paged_attention import kernel_supports, ragged_paged_attention
+from pallas_kernels.ragged_rows import pack_rows
+from pallas_kernels.tpu_attention import kernel_supports as tpu_kernel_supports
 
-IMPLEMENTATIONS = ("auto", "reference", "xla", "pallas", "pallas_interpret")
+IMPLEMENTATIONS = ("auto", "reference", "xla", "pallas", "pallas_interpret", "tpu")
 PALLAS_IMPLS = ("pallas", "pallas_interpret")
 
 
 def resolve_impl(impl: str, q=None, k_pages=None) -> str:
     """Map ``impl`` to a concrete implementation name, or raise naming the bad value.
 
-    Given the arrays, ``"auto"`` also falls back to XLA for sizes the kernel does not support."""
+    Given the arrays, ``"auto"`` also falls back to XLA for sizes the kernel does not support
+    (on TPU: 8-bit pools, whose per-token scales JAX's kernel cannot take)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    backend = jax.default_backend()
+    if impl == "auto" and backend == "tpu":
+        impl = "tpu" if k_pages is None or tpu_kernel_supports(k_pages.dtype) else "xla"
     if impl == "auto":
         ok = k_pages is None or kernel_supports(q.shape[-1], k_pages.shape[1], q.dtype)
-        return "pallas" if jax.default_backend() == "gpu" and ok else "xla"
+        return "pallas" if backend == "gpu" and ok else "xla"
+    if impl == "tpu" and k_pages is not None and not tpu_kernel_supports(k_pages.dtype):
+        raise ValueError(f"attn_impl='tpu' needs a float32/bfloat16 pool, got {k_pages.dtype}")
     return impl
 
 
@@ -56,21 +66,14 @@ def paged_attention_rows(
     An entry's valid rows (position >= 0) must be its last tokens in order, padding rows may sit
     anywhere: valid rows are packed to the front (stable), the kernel runs on the packed batch and
     padding rows come back as zeros."""
-    t = q.shape[0]
-    e = entry_tables.shape[0]
-    valid = positions >= 0
-    qlen = jax.ops.segment_sum(valid.astype(jnp.int32), row_entry, e)  # [E]
-    seq_lens = jnp.maximum(jax.ops.segment_max(positions, row_entry, e) + 1, 0)  # [E]
-    query_starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(qlen)]).astype(jnp.int32)
-    dest = jnp.cumsum(valid) - 1  # packed row of each valid row
-    q_packed = jnp.zeros_like(q).at[jnp.where(valid, dest, t)].set(q, mode="drop")
+    rows = pack_rows(row_entry, positions, entry_tables.shape[0])
     out = ragged_paged_attention(
-        q_packed,
+        rows.pack(q),
         k_pages,
         v_pages,
         entry_tables,
-        seq_lens,
-        query_starts,
+        rows.seq_lens,
+        rows.query_starts,
         sliding_window=sliding_window,
         scale=scale,
         soft_cap=soft_cap,
@@ -79,7 +82,7 @@ def paged_attention_rows(
         k_scales=k_scales,
         v_scales=v_scales,
     )
-    return jnp.where(valid[:, None, None], out[jnp.clip(dest, 0, t - 1)], 0).astype(q.dtype)
+    return rows.unpack(out, q.dtype)
 
 
 @functools.partial(jax.named_call, name="paged_attention")
@@ -106,6 +109,8 @@ def paged_attention(
     if q.shape[0] == 0:
         return q
     impl = resolve_impl(impl, q, k_pages)
+    if impl == "tpu":
+        raise ValueError("impl='tpu' reads the kernel's pool layout: use tpu_paged_attention_rows")
     if impl in PALLAS_IMPLS:
         n, bq, h, d = q.shape
         out = paged_attention_rows(

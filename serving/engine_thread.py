@@ -25,7 +25,9 @@ through that interface. Data flow of a request:
    and raises ``StepFailed`` naming the requests that failed: those streams end with INTERNAL;
    requests that never reached the device stay queued, and the loop goes on.
 6. :meth:`shutdown`: stop admitting, let in-flight requests finish until a deadline, fail the
-   rest with UNAVAILABLE, end the thread.
+   rest with UNAVAILABLE, end the thread. With a ``snapshot_dir`` the engine is snapshotted
+   at once instead and gRPC clients resume their streams after the restart
+   (``serving/resumable.py``: the protocol).
 """
 
 from __future__ import annotations
@@ -36,9 +38,12 @@ import dataclasses
 import itertools
 import logging
 import queue
+import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from jbatch.engine.interface import EngineClient, StepFailed
@@ -47,6 +52,7 @@ from jbatch.sampling_params import SamplingParams
 from serving.errors import ServingError, Status
 from serving.metrics import ServingMetrics
 from serving.request_stream import Delta, RequestStream, StreamBuffers
+from serving.resumable import ResumeRegistry, read_streams, replay, write_streams
 
 __all__ = ["Delta", "EngineThread", "RequestStream"]
 
@@ -64,6 +70,14 @@ class _Add:
     priority: int
     arrival: float
     tenant: str | None = None
+    client_id: str | None = None  # the gRPC request_id (resumable after a restart)
+
+
+@dataclasses.dataclass
+class _Resume:
+    stream: RequestStream
+    client_id: str
+    from_token: int
 
 
 @dataclasses.dataclass
@@ -104,6 +118,8 @@ class EngineThread:
         name: str = "jbatch-engine",
         stream_buffer: int = 256,
         stream_stall_timeout: float = 30.0,
+        snapshot_dir: str | Path | None = None,
+        resume_ttl: float = 300.0,
     ):
         if not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue must be an int >= 1, got {max_queue!r}")
@@ -116,6 +132,8 @@ class EngineThread:
         self._running = 0  # requests in slots, published by the engine thread after each step
         self._draining = False
         self._ids = itertools.count()
+        self._id_prefix = f"srv-{secrets.token_hex(3)}-"  # unique per boot: restored ids stay
+        self._resume = None if snapshot_dir is None else ResumeRegistry(snapshot_dir, resume_ttl)
         self._live: dict[str, _Live] = {}  # engine thread only
         self._stop_deadline: float | None = None  # engine thread only
         self._exiting = False
@@ -125,6 +143,9 @@ class EngineThread:
 
     # ---- any thread -----------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the thread (first restoring a snapshot, when ``snapshot_dir`` holds one)."""
+        if self._resume is not None and self._resume.has_snapshot:
+            self._restore()  # the thread does not run yet: the engine is still ours
         self._thread.start()
 
     @property
@@ -142,6 +163,7 @@ class EngineThread:
         params: SamplingParams,
         priority: int = 0,
         tenant: str | None = None,
+        client_id: str | None = None,
     ) -> RequestStream:
         """Queue a request (call from a coroutine: the stream lives on the running loop).
 
@@ -160,11 +182,24 @@ class EngineThread:
                     f"(max_queue={self.max_queue}); retry later",
                 )
             self._outstanding += 1
-            stream = RequestStream(f"srv-{next(self._ids)}", self, loop)
+            stream = RequestStream(f"{self._id_prefix}{next(self._ids)}", self, loop)
             prompt = prompt if isinstance(prompt, str) else list(prompt)
             # Put under the lock: the engine thread's exit takes the lock before its last look
             # at the inbox, so an accepted request is always answered.
-            self._inbox.put(_Add(stream, prompt, params, priority, time.monotonic(), tenant))
+            now = time.monotonic()
+            self._inbox.put(_Add(stream, prompt, params, priority, now, tenant, client_id))
+        return stream
+
+    def resume(self, client_id: str, from_token: int) -> RequestStream:
+        """The stream of a request restored from a snapshot, from its ``from_token``-th
+        generated token on (``serving/resumable.py``). NOT_FOUND arrives through the stream."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if not self.accepting:
+                raise ServingError(Status.UNAVAILABLE, "the server is shutting down")
+            self._outstanding += 1
+            stream = RequestStream(f"{self._id_prefix}{next(self._ids)}", self, loop)
+            self._inbox.put(_Resume(stream, client_id, from_token))
         return stream
 
     def abort(self, request_id: str, outcome: str = "cancelled") -> None:
@@ -188,7 +223,8 @@ class EngineThread:
             self._draining = True
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Drain, give in-flight requests ``timeout`` seconds, fail the rest, join the thread.
+        """Drain, give in-flight requests ``timeout`` seconds, fail the rest, join the thread
+        (with a ``snapshot_dir``: snapshot the engine at once, then end every stream).
 
         Blocks: from a coroutine, run it in an executor so the loop keeps streaming meanwhile.
         """
@@ -204,6 +240,9 @@ class EngineThread:
             while True:
                 stopping = self._stop_deadline is not None
                 self._take_commands(block=not stopping and not engine.has_unfinished_requests())
+                if stopping and self._resume is not None:
+                    self._snapshot()
+                    break
                 if self._stop_deadline is not None:
                     if not self._live and not engine.has_unfinished_requests():
                         break
@@ -215,6 +254,7 @@ class EngineThread:
                 if engine.has_unfinished_requests():
                     self._step()
                 self._service_stalled()
+                self._expire_parked()
                 self._publish()
         except BaseException as e:  # a bug in this loop: fail everyone rather than hang them
             log.exception("engine thread crashed")
@@ -235,6 +275,8 @@ class EngineThread:
                 return
             if isinstance(cmd, _Add):
                 self._add(cmd)
+            elif isinstance(cmd, _Resume):
+                self._resume_stream(cmd)
             elif isinstance(cmd, _Abort):
                 self._abort(cmd.request_id, cmd.outcome)
             elif isinstance(cmd, _Call):
@@ -259,6 +301,8 @@ class EngineThread:
             self._fail(cmd.stream, ServingError(Status.INVALID_ARGUMENT, str(e)))
             return
         self._live[rid] = _Live(cmd.stream, cmd.arrival)
+        if self._resume is not None:
+            self._resume.track(rid, cmd.client_id)
 
     def _abort(self, request_id: str, outcome: str) -> None:
         self._buffers.discard(request_id)
@@ -286,7 +330,8 @@ class EngineThread:
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
-                continue  # aborted meanwhile
+                self._park_output(out)
+                continue  # aborted meanwhile, or restored and waiting for its client
             if out.error is not None:
                 del self._live[out.request_id]
                 self.engine.forget(out.request_id)
@@ -302,27 +347,91 @@ class EngineThread:
             else:
                 self.metrics.itl.observe(now - live.last_token)
             live.last_token = now
-        finish = completion.finish_reason if out.finished else None
-        self._buffers.push(
-            live.stream,
-            Delta(
-                token_ids=completion.token_ids,
-                text=completion.text,
-                finish_reason=finish,
-                stop_reason=completion.stop_reason if out.finished else None,
-                prompt_tokens=len(out.prompt_token_ids),
-                completion_tokens=completion.num_tokens,
-                top_logprobs=completion.top_logprobs,
-                prompt_logprobs=out.prompt_logprobs,
-            ),
-            now,
-        )
+        delta = _delta_of(out)
+        self._buffers.push(live.stream, delta, now)
+        if self._resume is not None:
+            self._resume.sent(out.request_id, delta)
         if out.finished:
+            if self._resume is not None:
+                self._resume.forget(out.request_id)
             del self._live[out.request_id]
             self.engine.forget(out.request_id)
             self.metrics.e2e.observe(now - live.arrival)
-            self.metrics.outcome("ok", finish)
+            self.metrics.outcome("ok", delta.finish_reason)
             self._count_retired()
+
+    # ---- snapshots and resumed streams (serving/resumable.py) ----------------------------------
+    def _snapshot(self) -> None:
+        """Snapshot the engine, record each stream's client and sent deltas, end the streams."""
+        reg = self._resume
+        try:
+            outputs = self.engine.snapshot(reg.directory)
+        except Exception as e:
+            log.exception("engine snapshot failed")
+            self._fail_all(ServingError(Status.UNAVAILABLE, f"snapshot failed: {e}"))
+            return
+        now = time.monotonic()
+        for out in outputs:  # the step that was in flight: delivered, then in the records
+            live = self._live.get(out.request_id)
+            if live is not None:
+                self._deliver(live, out, now)
+            else:
+                self._park_output(out)
+        streams = dict(reg.history)
+        streams.update({rid: (p.client_id, p.deltas) for rid, p in reg.parked.items()})
+        write_streams(reg.directory, streams)
+        log.info("engine snapshot of %d request(s) written to %s", len(streams), reg.directory)
+        for rid, live in list(self._live.items()):
+            client = reg.history.get(rid, (None,))[0]
+            how = f"resume with request_id={client!r}, resume=true" if client else "retry"
+            self._fail(live.stream, ServingError(Status.UNAVAILABLE, f"server restarting: {how}"))
+        self._live.clear()
+        self.engine.reset(requeue_waiting=False)  # this engine is done: the snapshot holds all
+
+    def _restore(self) -> None:
+        reg = self._resume
+        self.engine.restore(reg.directory)
+        streams = read_streams(reg.directory)
+        for rid in reg.park(streams):  # came over HTTP: nobody can resume them
+            self.engine.abort_request(rid)
+            self.engine.forget(rid)
+        shutil.rmtree(reg.directory)  # consumed: a later restart must not replay it
+        log.info("restored %d request(s) from %s", len(streams), reg.directory)
+
+    def _park_output(self, out: RequestOutput) -> None:
+        parked = None if self._resume is None else self._resume.parked.get(out.request_id)
+        if parked is not None:
+            parked.deltas.append(_delta_of(out))
+            if out.finished:
+                parked.finished = True
+                self.engine.forget(out.request_id)
+
+    def _resume_stream(self, cmd: _Resume) -> None:
+        claimed = None if self._resume is None else self._resume.claim(cmd.client_id)
+        if claimed is None:
+            msg = f"no restored request with request_id={cmd.client_id!r} to resume"
+            self._fail(cmd.stream, ServingError(Status.NOT_FOUND, msg))
+            return
+        rid, parked = claimed
+        now = time.monotonic()
+        if not parked.finished:  # the new stream takes over the engine request's id
+            cmd.stream.request_id = rid
+        for delta in replay(parked.deltas, cmd.from_token):
+            self._buffers.push(cmd.stream, delta, now)
+        if parked.finished:
+            self.metrics.outcome("ok", parked.deltas[-1].finish_reason if parked.deltas else None)
+            self._count_retired()
+            return
+        self._live[rid] = _Live(cmd.stream, now)
+        self._resume.track(rid, cmd.client_id)
+        self._resume.history[rid][1].extend(parked.deltas)
+
+    def _expire_parked(self) -> None:
+        if self._resume is None or not self._resume.parked:
+            return
+        for rid in self._resume.expired(time.monotonic()):
+            self.engine.abort_request(rid)
+            self.engine.forget(rid)
 
     def _recover(self, exc: Exception) -> None:
         """``step()`` raised something other than StepFailed: rebuild the engine's state, fail
@@ -375,3 +484,17 @@ class EngineThread:
             self._running = stats.running
             waiting = self._outstanding - self._running
         self.metrics.observe_engine(stats, waiting)
+
+
+def _delta_of(out: RequestOutput) -> Delta:
+    completion = out.outputs[0]
+    return Delta(
+        token_ids=completion.token_ids,
+        text=completion.text,
+        finish_reason=completion.finish_reason if out.finished else None,
+        stop_reason=completion.stop_reason if out.finished else None,
+        prompt_tokens=len(out.prompt_token_ids),
+        completion_tokens=completion.num_tokens,
+        top_logprobs=completion.top_logprobs,
+        prompt_logprobs=out.prompt_logprobs,
+    )

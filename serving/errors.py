@@ -16,6 +16,7 @@ class Status(enum.Enum):
     UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, 503)
     INTERNAL = (grpc.StatusCode.INTERNAL, 500)
     UNAUTHENTICATED = (grpc.StatusCode.UNAUTHENTICATED, 401)
+    NOT_FOUND = (grpc.StatusCode.NOT_FOUND, 404)  # a resume that names no restored request
     TOO_LARGE = (grpc.StatusCode.RESOURCE_EXHAUSTED, 413)  # an HTTP body over max_body_bytes
 
     @property

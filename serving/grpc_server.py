@@ -85,24 +85,51 @@ class GenerationService(pb_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         ctx = self.ctx
         try:
-            params = sampling_params_from_proto(request.sampling_params)
-            kind = request.WhichOneof("prompt")
-            if kind is None:
-                raise ValueError("prompt is required: set text or token_ids")
-            thread = ctx.engine_thread_or_raise()
-            if kind == "text":
-                prompt = await ctx.encode_prompt(request.text)
+            asked = (None, [])  # (params, prompt) for logprobs; a resumed stream carries none
+            if request.resume:
+                stream = self._resume(request)
             else:
-                prompt = list(request.token_ids.ids)
-            ctx.check_limits(prompt, params)
-            tenant = grpc_tenant(context.invocation_metadata(), request.tenant)
-            stream = thread.submit(prompt, params, request.priority, tenant=tenant)
+                stream, asked = await self._submit(request, context)
         except ValueError as e:
             ctx.metrics.outcome(Status.INVALID_ARGUMENT.label)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ServingError as e:
             ctx.metrics.outcome(e.status.label)
             await context.abort(e.status.grpc_code, e.message)
+        async for response in self._stream(request, context, stream, *asked):
+            yield response
+
+    def _resume(self, request: pb.GenerateRequest):
+        """The stream of a request restored after a restart (serving/resumable.py)."""
+        if not request.request_id:
+            raise ValueError("resume needs the request_id the stream was started with")
+        if request.resume_from_token < 0:
+            raise ValueError(f"resume_from_token must be >= 0, got {request.resume_from_token}")
+        thread = self.ctx.engine_thread_or_raise()
+        return thread.resume(request.request_id, request.resume_from_token)
+
+    async def _submit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        """A new request's stream, and its (params, prompt ids) for the responses' logprobs
+        (ValueError / ServingError: the call fails)."""
+        ctx = self.ctx
+        params = sampling_params_from_proto(request.sampling_params)
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise ValueError("prompt is required: set text or token_ids")
+        thread = ctx.engine_thread_or_raise()
+        if kind == "text":
+            prompt = await ctx.encode_prompt(request.text)
+        else:
+            prompt = list(request.token_ids.ids)
+        ctx.check_limits(prompt, params)
+        tenant = grpc_tenant(context.invocation_metadata(), request.tenant)
+        client_id = request.request_id or None
+        stream = thread.submit(prompt, params, request.priority, tenant, client_id)
+        return stream, (params, prompt)
+
+    async def _stream(
+        self, request, context, stream, params=None, prompt=()
+    ) -> AsyncIterator[pb.GenerateResponse]:
         loop = asyncio.get_running_loop()
         remaining = context.time_remaining()
         deadline = None if remaining is None else loop.time() + remaining

@@ -7,7 +7,8 @@ Lifecycle:
    SERVING.
 3. :meth:`Server.stop` (``jbatch serve`` calls it on SIGTERM / SIGINT): health NOT_SERVING, new
    requests get UNAVAILABLE / 503, in-flight ones finish for up to ``shutdown_timeout`` seconds,
-   the rest are aborted, the servers close.
+   the rest are aborted, the servers close. With ``snapshot_dir`` the in-flight work is
+   snapshotted at once instead and restored by the next server (``serving/resumable.py``).
 
 :func:`serve` is the ``jbatch serve`` main; :class:`BackgroundServer` runs a server on its own
 event loop in a daemon thread (tests, notebooks).
@@ -52,6 +53,8 @@ class ServeConfig:
     metrics_port: int | None = None  # /metrics is always on the HTTP port as well
     max_queue: int = 1024  # requests waiting for a slot before RESOURCE_EXHAUSTED / 429
     shutdown_timeout: float = 30.0  # seconds in-flight requests get on shutdown
+    snapshot_dir: str | None = None  # snapshot in-flight work there on shutdown; restore on start
+    resume_ttl: float = 300.0  # seconds a restored request waits for its client to resume
     model_name: str = "jbatch"
     api_keys: ApiKeys = dataclasses.field(default_factory=ApiKeys)  # its repr hides the keys
     tls_cert: str | None = None  # PEM certificate chain; with tls_key: both servers use TLS
@@ -149,6 +152,8 @@ class Server:
             metrics=self.ctx.metrics,
             stream_buffer=cfg.stream_buffer,
             stream_stall_timeout=cfg.stream_stall_timeout,
+            snapshot_dir=cfg.snapshot_dir,
+            resume_ttl=cfg.resume_ttl,
         )
         thread.start()
         self.ctx.engine_thread = thread

@@ -1,6 +1,7 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JBATCH_COMPILATION_CACHE", "off")  # never write into the user's home
 
 import pytest
 

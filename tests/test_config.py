@@ -95,3 +95,15 @@ def test_linear_rope_divides_frequencies():
         ModelConfig.from_hf_dict({**BASE, "rope_scaling": {"type": "linear", "factor": 4.0}})
     )
     assert scaled == pytest.approx([f / 4 for f in plain])
+
+
+def test_dtype_defaults_to_bfloat16_on_accelerators_only(monkeypatch):
+    import jax
+
+    from jbatch.engine.config import EngineConfig
+
+    assert EngineConfig().dtype == "float32"  # CPU: tests compare with HF in float32
+    for backend, want in (("gpu", "bfloat16"), ("tpu", "bfloat16"), ("cpu", "float32")):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        assert EngineConfig().dtype == want
+        assert EngineConfig(dtype="float16").dtype == "float16"  # explicit wins

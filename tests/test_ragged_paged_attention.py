@@ -20,6 +20,7 @@ from pallas_kernels import (
     ragged_paged_attention_reference,
     resolve_impl,
 )
+from pallas_kernels.cross_lowering import gpu_lowering_context
 
 ON_GPU = jax.default_backend() == "gpu"
 CPU_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -286,11 +287,14 @@ def test_lowers_for_cuda_without_a_gpu():
     args = [sd((96, 32, 128), jnp.bfloat16), sd((512, 16, 8, 128), jnp.bfloat16)] * 1
     args += [args[1], sd((40, 64), jnp.int32), sd((40,), jnp.int32), sd((41,), jnp.int32)]
     try:
-        exported = jax.export.export(
-            jax.jit(lambda *a: ragged_paged_attention(*a, max_query_len=16, soft_cap=30.0)),
-            platforms=["cuda"],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args)
+        with gpu_lowering_context():  # jax >= 0.11 asks the target GPU while lowering Triton
+            exported = jax.export.export(
+                jax.jit(lambda *a: ragged_paged_attention(*a, max_query_len=16, soft_cap=30.0)),
+                platforms=["cuda"],
+                disabled_checks=[
+                    jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+                ],
+            )(*args)
     except (NotImplementedError, jax.errors.JaxRuntimeError) as e:  # pragma: no cover
         pytest.skip(f"this jax cannot lower Pallas for cuda off-GPU: {e}")
     module = exported.mlir_module()
@@ -337,11 +341,12 @@ def test_model_step_lowers_for_cuda_with_one_ragged_call_per_layer(hf_checkpoint
         kw = dict(num_decode=num_decode, block_q=block_q, attn_impl="pallas")
         return forward(params, cfg, cache, tokens, positions, slots, tables, **kw)
 
-    exported = jax.export.export(
-        jax.jit(step),
-        platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(as_sds(params), cache, i32(t), i32(t), i32(t), i32(4, 8))
+    with gpu_lowering_context():
+        exported = jax.export.export(
+            jax.jit(step),
+            platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(as_sds(params), cache, i32(t), i32(t), i32(t), i32(4, 8))
     module = exported.mlir_module()
     calls = len(re.findall(r"call @ragged_paged_attention", module))
     calls = calls or module.count("__gpu$xla.gpu.triton")  # if a jax version inlines the jit

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from jbatch.engine.sizing import parse_memory
 from jbatch.engine.tenants import check_weights
 from jbatch.models.quant import WeightQuant
-from pallas_kernels import IMPLEMENTATIONS
+from pallas_kernels import IMPLEMENTATIONS, resolve_impl
 from pallas_kernels.kv_quant import KV_STORAGE_DTYPES, storage_dtype
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *KV_STORAGE_DTYPES)  # "auto": the model dtype
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 SCHEDULING_POLICIES = ("priority", "fcfs", "fair")
+
+
+def default_dtype() -> str:
+    """The model dtype when none is given: bfloat16 on accelerators, float32 on CPU."""
+    return "bfloat16" if jax.default_backend() in ("gpu", "tpu") else "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,10 +33,13 @@ class EngineConfig:
     max_num_batched_tokens: token budget of one step (decode tokens + prompt-chunk tokens).
     max_seq_len: longest sequence (prompt + output) a slot may hold (None: the model's
         ``max_position_embeddings``, capped by the pool).
+    dtype: weights and activations (None: "bfloat16" on GPU/TPU, "float32" on CPU, where tests
+        compare with HF); logits and sampling math are float32 either way.
     block_q: prompt chunks are laid out in blocks of this many query rows (one sequence a block).
-    attn_impl: paged attention implementation: "auto" (the Pallas kernel on GPU, XLA
-        elsewhere), "xla", "reference", "pallas", or "pallas_interpret" (the kernel in Pallas
-        interpret mode: CPU tests).
+    attn_impl: paged attention implementation: "auto" (the Pallas kernel on GPU, JAX's TPU
+        ragged kernel on TPU for float pools, XLA elsewhere), "xla", "reference", "pallas",
+        "pallas_interpret" (the kernel in Pallas interpret mode: CPU tests), or "tpu" (JAX's
+        TPU kernel; the pool is stored in its layout, see ``pallas_kernels.tpu_layout``).
     kv_cache_dtype: what the KV pool stores: "auto" (the model dtype), "int8" or "fp8_e4m3"
         (8-bit entries plus one bfloat16 scale per token and KV head: ~1.9x the tokens of a
         bfloat16 pool in the same bytes; see ``pallas_kernels.kv_quant``).
@@ -61,7 +71,7 @@ class EngineConfig:
     num_pages: int | None = None
     max_num_batched_tokens: int = 256
     max_seq_len: int | None = None
-    dtype: str = "float32"
+    dtype: str | None = None
     block_q: int = 16
     attn_impl: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -106,6 +116,8 @@ class EngineConfig:
                 f"got {self.scheduling_policy!r}"
             )
         object.__setattr__(self, "tenant_weights", check_weights(self.tenant_weights))
+        if self.dtype is None:
+            object.__setattr__(self, "dtype", default_dtype())
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         self.weight_quant  # noqa: B018 (validates quantization and quantize_lm_head)
@@ -115,6 +127,12 @@ class EngineConfig:
             )
         if self.attn_impl not in IMPLEMENTATIONS:
             raise ValueError(f"attn_impl must be one of {IMPLEMENTATIONS}, got {self.attn_impl!r}")
+        if self.attn_impl == "tpu" and (self.kv_cache_dtype != "auto" or self.tp > 1):
+            raise ValueError(
+                f"attn_impl='tpu' needs kv_cache_dtype='auto' and tp=1 (got "
+                f"{self.kv_cache_dtype!r}, tp={self.tp}): JAX's TPU kernel takes only static "
+                f"KV scales, and its pool layout is not sharded; use attn_impl='auto'"
+            )
         if self.max_num_batched_tokens < self.block_q:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
@@ -146,6 +164,13 @@ class EngineConfig:
     def kv_storage_dtype(self):
         """The KV pool's dtype (int8 / float8_e4m3fn for an 8-bit pool)."""
         return storage_dtype(self.kv_cache_dtype, self.dtype)
+
+    @property
+    def tpu_kv_layout(self) -> bool:
+        """Whether the KV pool is stored in the TPU kernel's layout (attention resolves to it)."""
+        if self.tp > 1 or self.kv_cache_dtype != "auto":
+            return False
+        return resolve_impl(self.attn_impl) == "tpu"
 
     @property
     def is_resolved(self) -> bool:

@@ -26,6 +26,7 @@ from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import engine_step, unpack_output
 from jbatch.engine.grammar import all_allowed
 from jbatch.engine.logprobs import HostTopLogprobs
+from jbatch.engine.precompile import compile_all
 from jbatch.engine.state import EngineState, init_state
 from jbatch.engine.step_input import StepInput, StepInputLayout, all_layouts
 from jbatch.models.config import ModelConfig
@@ -185,12 +186,16 @@ class EngineCore:
         self._fetched = max(self._fetched, pending.index + 1)  # this step and all before: done
         return result
 
-    def lower_step(self, params: dict, state: EngineState, rows: int, decode_rows: int):
-        """The step program of one bucket pair, lowered (for inspecting the compiled HLO)."""
+    def lower_step(
+        self, params: dict, state: EngineState, rows: int, decode_rows: int, platforms=None
+    ):
+        """The step program of one bucket pair, lowered (for inspecting the compiled HLO);
+        ``platforms`` (e.g. ``("tpu",)``) cross-lowers for other backends."""
         inp = self.new_input(rows, decode_rows)
-        return self._steps[(rows, decode_rows)].lower(
+        traced = self._steps[(rows, decode_rows)].trace(
             params, state, inp.ints, inp.floats, self._allow_all
         )
+        return traced.lower(lowering_platforms=platforms)
 
     def swap_out(self, state: EngineState, slot: int, pages: np.ndarray):
         return self._swap_out(state, np.int32(slot), pages)
@@ -220,6 +225,7 @@ class EngineCore:
 
     def warmup(self, params: dict, state: EngineState) -> EngineState:
         """Compile every program the engine will ever run (one step per bucket pair)."""
+        compile_all([self.lower_step(params, state, *key) for key in self.layouts])
         if self.cfg.preemption_mode != "recompute":
             state, saved = self.swap_out(state, 0, self.unused_pages())
             saved = self.to_device(self.to_host(saved))  # the round trip a swap makes

@@ -59,11 +59,13 @@ def parse_memory(text: str | int | float) -> tuple[int | None, float | None]:
     return amount, None
 
 
-def page_bytes(model_cfg: ModelConfig, page_size: int, kv_dtype) -> int:
-    """Bytes one page costs in the pool: every layer's K and V (and scales, for an 8-bit pool)."""
+def page_bytes(model_cfg: ModelConfig, page_size: int, kv_dtype, tpu_layout=False) -> int:
+    """Bytes one page costs in the pool: every layer's K and V (and scales, for an 8-bit pool;
+    head padding, in the TPU kernel's layout)."""
     from jbatch.models.kv_cache import KVCache
 
-    shape = jax.eval_shape(lambda: KVCache.full(model_cfg, 1, page_size, kv_dtype))
+    full = lambda: KVCache.full(model_cfg, 1, page_size, kv_dtype, tpu_layout=tpu_layout)
+    shape = jax.eval_shape(full)
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shape))
 
 
@@ -128,8 +130,9 @@ def _pages_for_budget(cfg, model_cfg: ModelConfig) -> int:
     if fraction is not None:
         amount = int(free_device_bytes() * fraction)
     per_page = page_bytes(
-        sharded_model_config(model_cfg, cfg.tp), cfg.page_size, cfg.kv_storage_dtype
-    )
+        sharded_model_config(model_cfg, cfg.tp), cfg.page_size, cfg.kv_storage_dtype,
+        cfg.tpu_kv_layout,
+    )  # fmt: skip
     pages = amount * cfg.tp // per_page
     if pages < 1:
         raise ValueError(

@@ -58,7 +58,9 @@ def init_state(model_cfg: ModelConfig, cfg: EngineConfig) -> EngineState:
     s = cfg.max_slots
     zeros = lambda: jnp.zeros((s,), jnp.int32)  # distinct buffers: each field is donated
     return EngineState(
-        cache=KVCache.zeros(model_cfg, cfg.num_pages, cfg.page_size, cfg.kv_storage_dtype),
+        cache=KVCache.zeros(
+            model_cfg, cfg.num_pages, cfg.page_size, cfg.kv_storage_dtype, cfg.tpu_kv_layout
+        ),
         page_tables=jnp.full((s, cfg.max_pages_per_seq), cfg.num_pages, jnp.int32),
         tokens=zeros(),
         seq_lens=zeros(),

@@ -19,6 +19,9 @@ Layout (pages, page size, KV heads, head dim), one buffer per layer:
   row and sets its scale, and every reader dequantizes. The scales share the pool's first three
   axes, so page ids, swaps (which gather/scatter whole pages of every leaf) and the KV-head
   sharding apply to them unchanged.
+* **TPU kernel layout** (``tpu`` set, float pools on one device): ``k`` holds each layer's K and
+  V interleaved and head-padded, ``[P, S, 2 * KVHp, Dp]`` (:mod:`pallas_kernels.tpu_layout`),
+  ``v`` is empty; the other attention paths read :meth:`KVCache.pages` (strided views).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from jaxtyping import Array, Float, Int, Shaped
 
 from jbatch.models.config import ModelConfig
 from pallas_kernels.kv_quant import SCALE_DTYPE, is_quantized, quantize
+from pallas_kernels.tpu_layout import TpuPoolLayout, interleave, split
 
 LayerPool = Shaped[Array, "pages page_size kv_heads head_dim"]  # float, or 8-bit with scales
 LayerScales = Float[Array, "pages page_size kv_heads"]
@@ -43,6 +47,7 @@ class KVCache:
     v: tuple[LayerPool, ...]
     k_scale: tuple[LayerScales, ...] | None = None  # one per layer when the pool is 8-bit
     v_scale: tuple[LayerScales, ...] | None = None
+    tpu: TpuPoolLayout | None = struct.field(pytree_node=False, default=None)
 
     @property
     def quantized(self) -> bool:
@@ -62,17 +67,44 @@ class KVCache:
             return None, None
         return self.k_scale[layer], self.v_scale[layer]
 
+    def pages(self, layer: int) -> tuple[LayerPool, LayerPool]:
+        """Layer ``layer``'s K and V pools as ``[P, S, KVH, D]`` (views in the TPU layout)."""
+        if self.tpu is not None:
+            return split(self.k[layer], self.tpu)
+        return self.k[layer], self.v[layer]
+
+    def tpu_pool(self, layer: int) -> tuple[Shaped[Array, "p s ckvh dp"], TpuPoolLayout]:
+        """Layer ``layer`` in the TPU kernel's layout, and that layout. A compact pool is
+        converted — a copy of the layer's whole pool, per call (why the engine stores the TPU
+        layout instead: docs/architecture.md, "TPU attention")."""
+        if self.tpu is not None:
+            return self.k[layer], self.tpu
+        if self.quantized:
+            raise ValueError("the TPU kernel cannot read an 8-bit pool (per-token scales)")
+        _, _, kvh, d = self.k[layer].shape
+        lay = TpuPoolLayout.of(kvh, d, self.k[layer].dtype)
+        return interleave(self.k[layer], self.v[layer], lay), lay
+
     def layer(self, layer: int) -> KVCache:
         """A one-layer cache holding layer ``layer``'s buffers (what per-shard attention reads)."""
-        one = lambda t: None if t is None else (t[layer],)
-        return KVCache(*(one(t) for t in (self.k, self.v, self.k_scale, self.v_scale)))
+        one = lambda t: None if t is None else (t[layer],) if t else ()
+        return KVCache(*(one(t) for t in (self.k, self.v, self.k_scale, self.v_scale)), self.tpu)
 
     @classmethod
-    def full(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, value=0.0) -> KVCache:
+    def full(
+        cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, value=0.0, tpu_layout=False
+    ) -> KVCache:
         """A pool every entry of which reads as ``value`` (an 8-bit ``dtype``: data 0 or 1,
-        scales ``value``, so NaN pools stay possible)."""
+        scales ``value``, so NaN pools stay possible); ``tpu_layout``: the TPU kernel's layout
+        (real entries ``value``, padding zeros)."""
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         layers = lambda shape, v, dt: tuple(jnp.full(shape, v, dt) for _ in range(cfg.num_layers))
+        if tpu_layout:
+            if is_quantized(dtype):
+                raise ValueError(f"the TPU kernel layout holds float pools, not {dtype}")
+            lay = TpuPoolLayout.of(cfg.num_kv_heads, cfg.head_dim, dtype)
+            one = lambda: interleave(*(jnp.full(shape, value, dtype),) * 2, lay)
+            return cls(k=tuple(one() for _ in range(cfg.num_layers)), v=(), tpu=lay)
         if not is_quantized(dtype):
             return cls(k=layers(shape, value, dtype), v=layers(shape, value, dtype))
         data = 0 if value == 0 else 1
@@ -84,8 +116,10 @@ class KVCache:
         )
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
-        return cls.full(cfg, num_pages, page_size, dtype, 0.0)
+    def zeros(
+        cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, tpu_layout=False
+    ) -> KVCache:
+        return cls.full(cfg, num_pages, page_size, dtype, 0.0, tpu_layout)
 
 
 def write_locations(
@@ -121,6 +155,8 @@ def write_layer(
         pool = pool.at[pages, offsets].set(new.astype(pool.dtype), mode="drop")
         return (*pools[:layer], pool, *pools[layer + 1 :])
 
+    if cache.tpu is not None:  # one combined row per token
+        return cache.replace(k=put(cache.k, interleave(k_new, v_new, cache.tpu)))
     if not cache.quantized:
         return KVCache(k=put(cache.k, k_new), v=put(cache.v, v_new))
     (kq, ks), (vq, vs) = (quantize(x, cache.k[layer].dtype) for x in (k_new, v_new))

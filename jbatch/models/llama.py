@@ -37,6 +37,7 @@ from jbatch.models.kv_cache import KVCache, write_layer, write_locations
 from jbatch.models.moe_config import MLP_GROUPS, group_of_layer
 from jbatch.models.rope import Rope, apply_rope, rope_tables
 from pallas_kernels import PALLAS_IMPLS, paged_attention, paged_attention_rows, resolve_impl
+from pallas_kernels.tpu_attention import tpu_paged_attention_rows
 
 Params = dict
 
@@ -105,6 +106,20 @@ def _layer(params: Params, cfg: ModelConfig, i: int) -> Params:
     return lp if group is None else {**lp, **layer_params(params[group[0]], group[1])}
 
 
+def _entries(slots, page_tables, num_decode: int, block_q: int, t: int):
+    """(row_entry [T], entry_tables [E, MP]): each decode row and each prompt block of the flat
+    batch is one entry of the ragged kernels (``pallas_kernels.ragged_rows``)."""
+    num_blocks = (t - num_decode) // block_q
+    row_entry = np.concatenate(
+        [np.arange(num_decode), num_decode + np.repeat(np.arange(num_blocks), block_q)]
+    ).astype(np.int32)  # [T] static
+    entry_rows = np.concatenate(
+        [np.arange(num_decode), num_decode + block_q * np.arange(num_blocks)]
+    ).astype(np.int32)  # [E] first row of each entry (static)
+    entry_slots = jnp.clip(slots[entry_rows], 0, page_tables.shape[0] - 1)  # [E]
+    return jnp.asarray(row_entry), page_tables[entry_slots]
+
+
 def _attention(
     q: Float[Array, "t h d"],
     cache: KVCache,
@@ -120,31 +135,26 @@ def _attention(
     logit_cap: float | None = None,
 ) -> Float[Array, "t h d"]:
     t, h, d = q.shape
-    kp, vp = cache.k[layer], cache.v[layer]  # [P, S, KVH, D] each
+    kp, vp = cache.pages(layer)  # [P, S, KVH, D] each (views of the TPU layout)
     scales = dict(zip(("k_scales", "v_scales"), cache.scales(layer)))  # 8-bit pools: [P, S, KVH]
     impl = resolve_impl(impl, q, kp)
-    if impl in PALLAS_IMPLS:
+    if impl in (*PALLAS_IMPLS, "tpu"):
         # One ragged kernel call: every decode row and every prompt block is its own entry.
-        num_blocks = (t - num_decode) // block_q
-        row_entry = np.concatenate(
-            [np.arange(num_decode), num_decode + np.repeat(np.arange(num_blocks), block_q)]
-        ).astype(np.int32)  # [T] static
-        entry_rows = np.concatenate(
-            [np.arange(num_decode), num_decode + block_q * np.arange(num_blocks)]
-        ).astype(np.int32)  # [E] first row of each entry (static)
-        entry_slots = jnp.clip(slots[entry_rows], 0, page_tables.shape[0] - 1)  # [E]
+        row_entry, entry_tables = _entries(slots, page_tables, num_decode, block_q, t)
+        kw = dict(sliding_window=sliding_window, scale=scale, soft_cap=logit_cap)
+        if impl == "tpu":
+            kv, lay = cache.tpu_pool(layer)
+            return tpu_paged_attention_rows(q, kv, row_entry, entry_tables, positions, lay, **kw)
         return paged_attention_rows(
             q,
             kp,
             vp,
-            jnp.asarray(row_entry),
-            page_tables[entry_slots],
+            row_entry,
+            entry_tables,
             positions,
-            sliding_window=sliding_window,
-            scale=scale,
-            soft_cap=logit_cap,
-            max_query_len=block_q if num_blocks else 1,
+            max_query_len=block_q if t > num_decode else 1,
             interpret=impl == "pallas_interpret",
+            **kw,
             **scales,
         )
     outs = []

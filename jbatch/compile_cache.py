@@ -1,0 +1,45 @@
+"""JAX's persistent compilation cache for jbatch: where it lives, who turns it on.
+
+A 30-layer model compiles one step program per bucket pair at warm-up; the cache stores each
+compiled executable on disk, keyed by the program and the compiler, so a restarted engine loads
+them instead of compiling (docs/benchmarks.md, "Engine warm-up").
+
+* ``jbatch serve``: on by default, in ``$XDG_CACHE_HOME/jbatch/xla`` (``~/.cache/jbatch/xla``);
+  ``--compilation-cache DIR`` moves it, ``--compilation-cache off`` disables it.
+* ``LLM(...)`` (a library: it writes nowhere unasked): on only when ``JBATCH_COMPILATION_CACHE``
+  names a directory.
+* ``JBATCH_COMPILATION_CACHE`` (a directory, or ``off``) overrides serve's default too; the test
+  suite sets it to ``off`` so CI never writes into a home directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+
+ENV = "JBATCH_COMPILATION_CACHE"
+OFF = ("off", "none", "0", "")
+
+
+def default_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "jbatch" / "xla"
+
+
+def enable(directory: str | Path | None) -> Path | None:
+    """Turn the cache on in ``directory`` (``None`` / "off": leave it off); returns the path."""
+    if directory is None or str(directory).strip().lower() in OFF:
+        return None
+    path = Path(directory).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # skip tiny programs
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def from_env(default: str | Path | None = None) -> Path | None:
+    """Enable as ``JBATCH_COMPILATION_CACHE`` says, else in ``default`` (None: stay off)."""
+    return enable(os.environ.get(ENV, default))

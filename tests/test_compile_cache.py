@@ -1,0 +1,38 @@
+"""Where the persistent compilation cache goes, and that tests never turn it on unasked."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from jbatch import compile_cache
+
+
+@pytest.fixture
+def restore_jax_cache_config():
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    old = {n: getattr(jax.config, n) for n in names}
+    yield
+    for n, v in old.items():
+        jax.config.update(n, v)
+
+
+def test_off_unless_asked(monkeypatch, restore_jax_cache_config):
+    before = jax.config.jax_compilation_cache_dir
+    assert compile_cache.from_env() is None  # conftest: JBATCH_COMPILATION_CACHE=off
+    monkeypatch.delenv(compile_cache.ENV)
+    assert compile_cache.from_env() is None  # LLM's call: no default directory
+    assert jax.config.jax_compilation_cache_dir == before
+
+
+def test_env_and_serve_default(monkeypatch, tmp_path, restore_jax_cache_config):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache.default_dir() == tmp_path / "xdg" / "jbatch" / "xla"
+    monkeypatch.delenv(compile_cache.ENV)
+    got = compile_cache.from_env(compile_cache.default_dir())  # serve without the variable
+    assert got == tmp_path / "xdg" / "jbatch" / "xla" and got.is_dir()
+    assert jax.config.jax_compilation_cache_dir == str(got)
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "moved"))
+    assert compile_cache.from_env(compile_cache.default_dir()) == tmp_path / "moved"
+    monkeypatch.setenv(compile_cache.ENV, "off")
+    assert compile_cache.from_env(compile_cache.default_dir()) is None
