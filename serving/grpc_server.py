@@ -92,7 +92,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         ctx.check_limits(prompt, params)
         tenant = grpc_tenant(context.invocation_metadata(), request.tenant)
         client_id = request.request_id or None
-        return thread.submit(prompt, params, request.priority, tenant, client_id)
+        return thread.submit(prompt, params, request.priority, tenant, client_id=client_id)
 
     async def _stream(self, request, context, stream) -> AsyncIterator[pb.GenerateResponse]:
         loop = asyncio.get_running_loop()
