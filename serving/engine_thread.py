@@ -39,7 +39,6 @@ import itertools
 import logging
 import queue
 import secrets
-import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -52,7 +51,8 @@ from jbatch.sampling_params import SamplingParams
 from serving.errors import ServingError, Status
 from serving.metrics import ServingMetrics
 from serving.request_stream import Delta, RequestStream, StreamBuffers
-from serving.resumable import ResumeRegistry, read_streams, replay, write_streams
+from serving.resumable import ResumeRegistry
+from serving.thread_snapshot import Resume, SnapshotStreams, delta_of
 
 __all__ = ["Delta", "EngineThread", "RequestStream"]
 
@@ -71,13 +71,6 @@ class _Add:
     arrival: float
     tenant: str | None = None
     client_id: str | None = None  # the gRPC request_id (resumable after a restart)
-
-
-@dataclasses.dataclass
-class _Resume:
-    stream: RequestStream
-    client_id: str
-    from_token: int
 
 
 @dataclasses.dataclass
@@ -106,7 +99,7 @@ class _Live:
     last_token: float | None = None
 
 
-class EngineThread:
+class EngineThread(SnapshotStreams):
     """Drive ``engine`` from a dedicated thread; see the module docstring for the data flow."""
 
     def __init__(
@@ -199,7 +192,7 @@ class EngineThread:
                 raise ServingError(Status.UNAVAILABLE, "the server is shutting down")
             self._outstanding += 1
             stream = RequestStream(f"{self._id_prefix}{next(self._ids)}", self, loop)
-            self._inbox.put(_Resume(stream, client_id, from_token))
+            self._inbox.put(Resume(stream, client_id, from_token))
         return stream
 
     def abort(self, request_id: str, outcome: str = "cancelled") -> None:
@@ -275,7 +268,7 @@ class EngineThread:
                 return
             if isinstance(cmd, _Add):
                 self._add(cmd)
-            elif isinstance(cmd, _Resume):
+            elif isinstance(cmd, Resume):
                 self._resume_stream(cmd)
             elif isinstance(cmd, _Abort):
                 self._abort(cmd.request_id, cmd.outcome)
@@ -300,9 +293,13 @@ class EngineThread:
         except ValueError as e:
             self._fail(cmd.stream, ServingError(Status.INVALID_ARGUMENT, str(e)))
             return
-        self._live[rid] = _Live(cmd.stream, cmd.arrival)
+        self._attach(rid, cmd.stream, cmd.arrival)
         if self._resume is not None:
             self._resume.track(rid, cmd.client_id)
+
+    def _attach(self, rid: str, stream: RequestStream, arrival: float) -> None:
+        """From now on the engine request ``rid``'s outputs go to ``stream``."""
+        self._live[rid] = _Live(stream, arrival)
 
     def _abort(self, request_id: str, outcome: str) -> None:
         self._buffers.discard(request_id)
@@ -347,7 +344,7 @@ class EngineThread:
             else:
                 self.metrics.itl.observe(now - live.last_token)
             live.last_token = now
-        delta = _delta_of(out)
+        delta = delta_of(out)
         self._buffers.push(live.stream, delta, now)
         if self._resume is not None:
             self._resume.sent(out.request_id, delta)
@@ -359,79 +356,6 @@ class EngineThread:
             self.metrics.e2e.observe(now - live.arrival)
             self.metrics.outcome("ok", delta.finish_reason)
             self._count_retired()
-
-    # ---- snapshots and resumed streams (serving/resumable.py) ----------------------------------
-    def _snapshot(self) -> None:
-        """Snapshot the engine, record each stream's client and sent deltas, end the streams."""
-        reg = self._resume
-        try:
-            outputs = self.engine.snapshot(reg.directory)
-        except Exception as e:
-            log.exception("engine snapshot failed")
-            self._fail_all(ServingError(Status.UNAVAILABLE, f"snapshot failed: {e}"))
-            return
-        now = time.monotonic()
-        for out in outputs:  # the step that was in flight: delivered, then in the records
-            live = self._live.get(out.request_id)
-            if live is not None:
-                self._deliver(live, out, now)
-            else:
-                self._park_output(out)
-        streams = dict(reg.history)
-        streams.update({rid: (p.client_id, p.deltas) for rid, p in reg.parked.items()})
-        write_streams(reg.directory, streams)
-        log.info("engine snapshot of %d request(s) written to %s", len(streams), reg.directory)
-        for rid, live in list(self._live.items()):
-            client = reg.history.get(rid, (None,))[0]
-            how = f"resume with request_id={client!r}, resume=true" if client else "retry"
-            self._fail(live.stream, ServingError(Status.UNAVAILABLE, f"server restarting: {how}"))
-        self._live.clear()
-        self.engine.reset(requeue_waiting=False)  # this engine is done: the snapshot holds all
-
-    def _restore(self) -> None:
-        reg = self._resume
-        self.engine.restore(reg.directory)
-        streams = read_streams(reg.directory)
-        for rid in reg.park(streams):  # came over HTTP: nobody can resume them
-            self.engine.abort_request(rid)
-            self.engine.forget(rid)
-        shutil.rmtree(reg.directory)  # consumed: a later restart must not replay it
-        log.info("restored %d request(s) from %s", len(streams), reg.directory)
-
-    def _park_output(self, out: RequestOutput) -> None:
-        parked = None if self._resume is None else self._resume.parked.get(out.request_id)
-        if parked is not None:
-            parked.deltas.append(_delta_of(out))
-            if out.finished:
-                parked.finished = True
-                self.engine.forget(out.request_id)
-
-    def _resume_stream(self, cmd: _Resume) -> None:
-        claimed = None if self._resume is None else self._resume.claim(cmd.client_id)
-        if claimed is None:
-            msg = f"no restored request with request_id={cmd.client_id!r} to resume"
-            self._fail(cmd.stream, ServingError(Status.NOT_FOUND, msg))
-            return
-        rid, parked = claimed
-        now = time.monotonic()
-        if not parked.finished:  # the new stream takes over the engine request's id
-            cmd.stream.request_id = rid
-        for delta in replay(parked.deltas, cmd.from_token):
-            self._buffers.push(cmd.stream, delta, now)
-        if parked.finished:
-            self.metrics.outcome("ok", parked.deltas[-1].finish_reason if parked.deltas else None)
-            self._count_retired()
-            return
-        self._live[rid] = _Live(cmd.stream, now)
-        self._resume.track(rid, cmd.client_id)
-        self._resume.history[rid][1].extend(parked.deltas)
-
-    def _expire_parked(self) -> None:
-        if self._resume is None or not self._resume.parked:
-            return
-        for rid in self._resume.expired(time.monotonic()):
-            self.engine.abort_request(rid)
-            self.engine.forget(rid)
 
     def _recover(self, exc: Exception) -> None:
         """``step()`` raised something other than StepFailed: rebuild the engine's state, fail
@@ -484,17 +408,3 @@ class EngineThread:
             self._running = stats.running
             waiting = self._outstanding - self._running
         self.metrics.observe_engine(stats, waiting)
-
-
-def _delta_of(out: RequestOutput) -> Delta:
-    completion = out.outputs[0]
-    return Delta(
-        token_ids=completion.token_ids,
-        text=completion.text,
-        finish_reason=completion.finish_reason if out.finished else None,
-        stop_reason=completion.stop_reason if out.finished else None,
-        prompt_tokens=len(out.prompt_token_ids),
-        completion_tokens=completion.num_tokens,
-        top_logprobs=completion.top_logprobs,
-        prompt_logprobs=out.prompt_logprobs,
-    )

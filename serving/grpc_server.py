@@ -124,7 +124,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         ctx.check_limits(prompt, params)
         tenant = grpc_tenant(context.invocation_metadata(), request.tenant)
         client_id = request.request_id or None
-        stream = thread.submit(prompt, params, request.priority, tenant, client_id)
+        stream = thread.submit(prompt, params, request.priority, tenant, client_id=client_id)
         return stream, (params, prompt)
 
     async def _stream(

@@ -390,9 +390,9 @@ def test_front_ends_tokenize_text_prompts(served, monkeypatch):
     submitted = []
     real_submit = served.thread.submit
 
-    def recording_submit(prompt, params, priority=0, tenant=None):
+    def recording_submit(prompt, params, priority=0, tenant=None, **kw):
         submitted.append(prompt)
-        return real_submit(prompt, params, priority, tenant)
+        return real_submit(prompt, params, priority, tenant, **kw)
 
     monkeypatch.setattr(served.thread, "submit", recording_submit)
     (text, params), ref = served.cases[0]
