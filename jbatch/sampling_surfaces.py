@@ -59,12 +59,15 @@ SURFACE_RULES: dict[str, dict[str, Rule]] = {
         "structured": hidden("a JSON Schema or grammar does not fit a flag; use the Python API"),
     },
     "grpc": {
-        "n": hidden("proto field 1 is reserved: the server runs one sequence per request"),
+        "n": hidden(
+            "GenerateRequest.n (field 11) carries it: the SamplingParams message reserved field "
+            "1 and the name 'n' when the server ran one sequence per request (proto rules: a "
+            "reserved name is never reused)"
+        ),
         "logprobs": hidden("GenerateResponse carries no log-probabilities"),
         "structured": hidden("the `structured` oneof of the proto (serving/sampling_proto.py)"),
     },
     "http": {
-        "n": hidden("declared by the request models, which reject n != 1 (one choice a request)"),
         "logprobs": hidden("declared by CompletionRequest, which rejects it: choices carry none"),
         "structured": Rule(
             "OpenAI's `response_format`, or jbatch's `structured_outputs` (openai_protocol.py)",

@@ -32,7 +32,9 @@ _FINISH = {
 
 
 def response_from_delta(request_id: str, delta: Delta) -> pb.GenerateResponse:
-    resp = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text)
+    resp = pb.GenerateResponse(
+        request_id=request_id, token_ids=delta.token_ids, text=delta.text, index=delta.index
+    )
     if delta.finished:
         resp.finish_reason = _FINISH.get(delta.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
         if isinstance(delta.stop_reason, str):
@@ -81,6 +83,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         """A new request's stream (ValueError / ServingError: the call fails)."""
         ctx = self.ctx
         params = sampling_params_from_proto(request.sampling_params)
+        params = params.replace(n=request.n or 1)  # 0 (unset): one completion
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise ValueError("prompt is required: set text or token_ids")

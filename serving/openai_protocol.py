@@ -43,7 +43,6 @@ class _RequestFields(BaseModel):
     model_config = ConfigDict(extra="allow")  # undeclared fields: check_fields
 
     model: str | None = None
-    n: int = 1  # OpenAI's choices per request: one here
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     priority: int = 0
@@ -57,8 +56,6 @@ class _RequestFields(BaseModel):
 
     def sampling_params(self) -> SamplingParams:
         """Absent or null fields take the Python default; raises ValueError naming a field."""
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (one completion per request), got {self.n}")
         kwargs = {}
         for field in self.sampling_fields:
             value = getattr(self, field.surface_name)
@@ -285,10 +282,11 @@ def response_meta(chat: bool, model_name: str) -> dict[str, Any]:
 def choice(
     delta: Delta, chat: bool, streaming: bool, first: bool, message: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Choice 0 of a body (``streaming`` False: ``delta`` is the whole completion) or of a
-    streamed chunk (``first``: the chunk that opens the assistant message); ``message``: the
-    chat message's fields when not just ``delta.text`` as content (tool calls)."""
-    out: dict[str, Any] = {"index": 0}
+    """Choice ``delta.index`` of a body (``streaming`` False: ``delta`` is the whole completion)
+    or of a streamed chunk (``first``: the chunk that opens this choice's assistant message);
+    ``message``: the chat message's fields when not just ``delta.text`` as content (tool
+    calls)."""
+    out: dict[str, Any] = {"index": delta.index}
     if chat:
         fields = {"content": delta.text} if message is None else message
         if streaming:
@@ -305,37 +303,45 @@ def choice(
     return out
 
 
-def usage(delta: Delta) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: dict[int, int]) -> dict[str, int]:
+    """A request's usage; ``completion_tokens``: each choice's count (n > 1: summed)."""
+    completion = sum(completion_tokens.values())
     return {
-        "prompt_tokens": delta.prompt_tokens,
-        "completion_tokens": delta.completion_tokens,
-        "total_tokens": delta.prompt_tokens + delta.completion_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
     }
 
 
-def joined(deltas: list[Delta]) -> Delta:
-    """The deltas of one request as one whole completion."""
-    last = deltas[-1]
-    return Delta(
-        token_ids=[t for d in deltas for t in d.token_ids],
-        text="".join(d.text for d in deltas),
-        finish_reason=last.finish_reason,
-        stop_reason=last.stop_reason,
-        prompt_tokens=last.prompt_tokens,
-        completion_tokens=last.completion_tokens,
-    )
+def joined(deltas: list[Delta]) -> list[Delta]:
+    """The deltas of one request as whole completions, one per choice, in index order."""
+    choices: dict[int, list[Delta]] = {}
+    for d in deltas:
+        choices.setdefault(d.index, []).append(d)
+    return [
+        dataclasses.replace(
+            ds[-1],
+            token_ids=[t for d in ds for t in d.token_ids],
+            text="".join(d.text for d in ds),
+        )
+        for _, ds in sorted(choices.items())
+    ]
 
 
 def response_body(
-    meta: dict[str, Any], whole: Delta, chat: bool, tools: ToolCalling | None = None
+    meta: dict[str, Any], wholes: list[Delta], chat: bool, tools: ToolCalling | None = None
 ) -> dict[str, Any]:
-    """The body of a non-streamed response: ``chat.completion`` or ``text_completion``."""
-    message = None
-    if tools is not None:
-        message, whole = tools.whole(whole)
+    """The body of a non-streamed response: ``chat.completion`` or ``text_completion``, with
+    one choice per whole completion (:func:`joined`)."""
+    choices = []
+    for whole in wholes:
+        message = None
+        if tools is not None:
+            message, whole = tools.whole(whole)
+        choices.append(choice(whole, chat, False, True, message))
     return {
         **meta,
         "object": "chat.completion" if chat else "text_completion",
-        "choices": [choice(whole, chat, False, True, message)],
-        "usage": usage(whole),
+        "choices": choices,
+        "usage": usage(wholes[0].prompt_tokens, {w.index: w.completion_tokens for w in wholes}),
     }
