@@ -140,6 +140,24 @@ def test_deltas_merge_per_step_and_finish_with_the_last_child():
     assert eng.forget(rid)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_child_is_preempted_and_resumes_exactly(mode, caching):
+    """Three children need 2 shared + 3 x 6 own pages; the pool has 14: children are evicted
+    (recompute or swap), come back and still produce exactly their solo outputs."""
+    eng = mock_engine(num_pages=14, preemption_mode=mode, enable_prefix_caching=caching)
+    prompt = list(range(3, 13))
+    rid = eng.add_request(prompt, sampled(3, max_tokens=20))
+    outs = run(eng)
+    stats = eng.stats()
+    assert stats.preemptions > 0 and (stats.swap_outs > 0) == (mode == "swap")
+    got = tokens_by_child(outs, rid)
+    for i in range(3):
+        assert got[i] == expected_tokens(prompt, 20, child_seed(5, i), True, VOCAB), i
+    assert eng.forget(rid)
+    drained(eng)
+
+
 def test_abort_aborts_every_child_and_frees_everything():
     eng = mock_engine(max_slots=2)
     rid = eng.add_request(list(range(3, 20)), sampled(4, max_tokens=20))
