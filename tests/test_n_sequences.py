@@ -5,6 +5,7 @@ child equals its solo run, no recompiles), HTTP with the ``openai`` client, and 
 from __future__ import annotations
 
 import asyncio
+import re
 import types
 
 import grpc
@@ -15,10 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jbatch import LLM, EngineConfig, LLMEngine, SamplingParams
+from jbatch.demo import demo_model_path
 from jbatch.engine.interface import StepFailed
 from jbatch.engine.mock_core import MockCore, expected_tokens
 from jbatch.engine.parent_request import child_seed
 from jbatch.outputs import OutputKind
+from jbatch.structured_output import StructuredOutput
+from jbatch.tokenizer import Tokenizer
 from serving.client import GenerationClient
 from serving.proto.jbatch.v1 import generation_pb2 as pb
 from serving.proto.jbatch.v1 import generation_pb2_grpc as pb_grpc
@@ -155,6 +159,25 @@ def test_a_child_is_preempted_and_resumes_exactly(mode, caching):
     for i in range(3):
         assert got[i] == expected_tokens(prompt, 20, child_seed(5, i), True, VOCAB), i
     assert eng.forget(rid)
+    drained(eng)
+
+
+def test_structured_children_each_follow_the_grammar():
+    """Each child has its own grammar matcher: every completion matches the regex."""
+    cfg = EngineConfig(block_q=4, page_size=4, num_pages=40, max_seq_len=64, max_slots=4,
+                       debug_checks=True)  # fmt: skip
+    model_cfg = types.SimpleNamespace(vocab_size=2048, max_position_embeddings=1 << 20)
+    tok = Tokenizer.from_dir(demo_model_path())
+    eng = LLMEngine(model_cfg, None, cfg, tokenizer=tok, eos_token_ids=[2],
+                    core=MockCore(cfg, 2048))  # fmt: skip
+    regex = r"[0-9]{3}-[a-z]{2,4}"
+    p = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=30,
+                       structured=StructuredOutput(regex=regex))  # fmt: skip
+    rid = eng.add_request(list(range(3, 20)), p, output_kind=OutputKind.FINAL)
+    (out,) = run(eng)
+    matchers = {id(c.matcher) for c in eng.parents[rid].children}
+    assert len(matchers) == 3
+    assert all(re.fullmatch(regex, c.text) for c in out.outputs), [c.text for c in out.outputs]
     drained(eng)
 
 
