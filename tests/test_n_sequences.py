@@ -5,6 +5,7 @@ child equals its solo run, no recompiles), HTTP with the ``openai`` client, and 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import types
 
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jbatch import LLM, EngineConfig, LLMEngine, SamplingParams
+from jbatch.batch_job import BatchJob
 from jbatch.demo import demo_model_path
 from jbatch.engine.interface import StepFailed
 from jbatch.engine.mock_core import MockCore, expected_tokens
@@ -401,3 +403,18 @@ def test_grpc_n(served):
         info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n must" in info.value.details()
     )
     assert_drained(served)
+
+
+def test_batch_job_line_with_n(hardened_llm, tmp_path):  # noqa: F811
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    body = {"prompt": prompt, "n": 3, "max_tokens": 4, "temperature": 1.0, "seed": 2,
+            "ignore_eos": True}  # fmt: skip
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}
+    (tmp_path / "in.jsonl").write_text(json.dumps(line) + "\n")
+    BatchJob(hardened_llm.engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl",
+             progress=False).run()  # fmt: skip
+    (result,) = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    choices = result["response"]["body"]["choices"]
+    want = [expected_tokens(prompt, 4, 2 + i, True, SERVING_VOCAB) for i in range(3)]
+    assert [(c["index"], c["token_ids"]) for c in choices] == list(enumerate(want))
+    assert result["response"]["body"]["usage"]["completion_tokens"] == 12
