@@ -52,7 +52,7 @@ def hidden(reason: str) -> Rule:
 
 SURFACE_RULES: dict[str, dict[str, Rule]] = {
     "cli": {
-        "n": hidden("one completion per prompt is printed; a server runs one sequence a request"),
+        "n": hidden("the CLI prints one completion per prompt (the servers and LLM take n)"),
         "logprobs": hidden("the CLI prints text, not log-probabilities"),
         "max_tokens": Rule("a longer default than 16 to see what a model writes", default=64),
         "temperature": Rule("greedy by default: one command, one output", default=0.0),
