@@ -183,6 +183,33 @@ def test_structured_children_each_follow_the_grammar():
     drained(eng)
 
 
+def test_snapshot_and_restore_keep_the_family(tmp_path):
+    """An n = 3 request snapshotted mid-run (children swapped out, one finished and forgotten)
+    finishes in a new engine with its solo outputs."""
+    kw = dict(num_pages=10, max_seq_len=32, preemption_mode="swap")
+    first, second = mock_engine(**kw), mock_engine(**kw)
+    prompt = list(range(3, 13))
+    rid = first.add_request(prompt, sampled(3, max_tokens=20))
+    first.parents[rid].children[2].max_tokens = 3  # finishes early
+    children, outs = first.parents[rid].children, []
+    for _ in range(100):  # until a child sits in host RAM
+        outs += first.step()
+        if any(c.swapped is not None for c in children):
+            break
+    first.forget_finished()
+    assert any(c.swapped is not None for c in children) and children[2].finished
+    assert (rid, 2) not in first.requests
+    outs += first.snapshot(tmp_path / "snap")
+    second.restore(tmp_path / "snap")
+    outs += run(second)
+    got = tokens_by_child(outs, rid)
+    want = [expected_tokens(prompt, m, child_seed(5, i), True, VOCAB)
+            for i, m in enumerate((20, 20, 3))]  # fmt: skip
+    assert [got[i] for i in range(3)] == want and outs[-1].finished
+    assert second.forget(rid) and not second.parents and not second.requests
+    drained(second)
+
+
 def test_abort_aborts_every_child_and_frees_everything():
     eng = mock_engine(max_slots=2)
     rid = eng.add_request(list(range(3, 20)), sampled(4, max_tokens=20))
