@@ -255,17 +255,26 @@ class BatchJob:
         self.engine.forget(out.request_id)
         if pending is None:
             return
-        c = out.outputs[0]
-        if out.error or c.finish_reason == "error":
+        if out.error or any(c.finish_reason == "error" for c in out.outputs):
             body = _error_body(500, "internal", out.error or "the engine step failed")
             self._write(result_line(pending.custom_id, 500, body))
             return
-        whole = Delta(
-            c.token_ids, c.text, c.finish_reason, c.stop_reason,
-            len(out.prompt_token_ids), len(c.token_ids), c.top_logprobs, out.prompt_logprobs,
-        )  # fmt: skip
-        body = response_body(pending.meta, whole, pending.chat, pending.tools, pending.fmt)
-        self.summary.tokens += len(c.token_ids)
+        wholes = [  # one per choice (n > 1: several)
+            Delta(
+                c.token_ids,
+                c.text,
+                c.finish_reason,
+                c.stop_reason,
+                len(out.prompt_token_ids),
+                len(c.token_ids),
+                c.top_logprobs,
+                out.prompt_logprobs,
+                index=c.index,
+            )
+            for c in out.outputs
+        ]
+        body = response_body(pending.meta, wholes, pending.chat, pending.tools, pending.fmt)
+        self.summary.tokens += sum(len(c.token_ids) for c in out.outputs)
         self._write(result_line(pending.custom_id, 200, body))
 
     def _abort_all(self) -> None:

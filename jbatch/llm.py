@@ -83,7 +83,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results in input order. With ``n > 1`` a prompt's
-        ``outputs`` holds n completions (seeds ``seed + i`` when a seed is given).
+        ``outputs`` holds n completions, run by the engine as n sequences sharing the prompt's
+        pages (completion ``i`` samples with seed ``seed + i`` when a seed is given).
 
         If an engine step fails, the engine rebuilds its device state and carries on: the
         requests that were on the device finish with ``finish_reason == "error"`` (and
@@ -91,25 +92,17 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         # Validate everything before scheduling anything.
-        groups: list[list[str]] = []
+        ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
-                ids = []
-                for i in range(p.n):
-                    seed = None if p.seed is None else (p.seed + i) % 2**32
-                    rid = self.engine.add_request(
-                        prompt, p.replace(n=1, seed=seed), output_kind=OutputKind.FINAL
-                    )
-                    ids.append(rid)
-                groups.append(ids)
+                ids.append(self.engine.add_request(prompt, p, output_kind=OutputKind.FINAL))
         except ValueError:
-            for ids in groups:
-                for rid in ids:
-                    self.engine.abort_request(rid)
-                    self.engine.forget(rid)
+            for rid in ids:
+                self.engine.abort_request(rid)
+                self.engine.forget(rid)
             self._run_until_done(lambda out: None)
             raise
-        bar = tqdm(total=sum(map(len, groups)), desc="generate", disable=not use_tqdm, unit="req")
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req")
         finals: dict[str, RequestOutput] = {}
 
         def on_output(out: RequestOutput):
@@ -120,19 +113,7 @@ class LLM:
 
         self._run_until_done(on_output)
         bar.close()
-        results = []
-        for ids in groups:
-            first = finals[ids[0]]
-            outputs = []
-            for i, rid in enumerate(ids):
-                completion = finals[rid].outputs[0]
-                completion.index = i
-                outputs.append(completion)
-            error = next((finals[r].error for r in ids if finals[r].error), None)
-            results.append(
-                dataclasses.replace(first, request_id=ids[0], outputs=outputs, error=error)
-            )
-        return results
+        return [finals[rid] for rid in ids]
 
     def generate_stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None

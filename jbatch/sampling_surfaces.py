@@ -52,7 +52,7 @@ def hidden(reason: str) -> Rule:
 
 SURFACE_RULES: dict[str, dict[str, Rule]] = {
     "cli": {
-        "n": hidden("one completion per prompt is printed; a server runs one sequence a request"),
+        "n": hidden("the CLI prints one completion per prompt (the servers and LLM take n)"),
         "logprobs": hidden("the CLI prints text, not log-probabilities"),
         "prompt_logprobs": hidden("the CLI prints text, not log-probabilities"),
         "max_tokens": Rule("a longer default than 16 to see what a model writes", default=64),
@@ -60,11 +60,14 @@ SURFACE_RULES: dict[str, dict[str, Rule]] = {
         "structured": hidden("a JSON Schema or grammar does not fit a flag; use the Python API"),
     },
     "grpc": {
-        "n": hidden("proto field 1 is reserved: the server runs one sequence per request"),
+        "n": hidden(
+            "GenerateRequest.n (field 11) carries it: the SamplingParams message reserved field "
+            "1 and the name 'n' when the server ran one sequence per request (proto rules: a "
+            "reserved name is never reused)"
+        ),
         "structured": hidden("the `structured` oneof of the proto (serving/sampling_proto.py)"),
     },
     "http": {
-        "n": hidden("declared by the request models, which reject n != 1 (one choice a request)"),
         "logprobs": hidden(
             "declared by the request models in OpenAI's forms: completions take an int, chat "
             "`logprobs: true` with `top_logprobs`"

@@ -49,8 +49,9 @@ def build_request(
         req.text = prompt
     else:
         req.token_ids.ids.extend(prompt)
-    if params is not None:
-        req.sampling_params.CopyFrom(sampling_params_to_proto(params))
+    if params is not None:  # n travels in GenerateRequest (SamplingParams reserves the name)
+        req.sampling_params.CopyFrom(sampling_params_to_proto(params.replace(n=1)))
+        req.n = params.n
     return req
 
 

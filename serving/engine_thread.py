@@ -52,7 +52,7 @@ from serving.errors import ServingError, Status
 from serving.metrics import ServingMetrics
 from serving.request_stream import Delta, RequestStream, StreamBuffers
 from serving.resumable import ResumeRegistry
-from serving.thread_snapshot import Resume, SnapshotStreams, delta_of
+from serving.thread_snapshot import Resume, SnapshotStreams, deltas_of
 
 __all__ = ["Delta", "EngineThread", "RequestStream"]
 
@@ -337,17 +337,16 @@ class EngineThread(SnapshotStreams):
             self._deliver(live, out, now)
 
     def _deliver(self, live: _Live, out: RequestOutput, now: float) -> None:
-        completion = out.outputs[0]
-        if completion.token_ids:
+        if any(c.token_ids for c in out.outputs):
             if live.last_token is None:
                 self.metrics.ttft.observe(now - live.arrival)
             else:
                 self.metrics.itl.observe(now - live.last_token)
             live.last_token = now
-        delta = delta_of(out)
-        self._buffers.push(live.stream, delta, now)
-        if self._resume is not None:
-            self._resume.sent(out.request_id, delta)
+        for delta in deltas_of(out):  # n > 1: one delta per choice
+            self._buffers.push(live.stream, delta, now)
+            if self._resume is not None:
+                self._resume.sent(out.request_id, delta)
         if out.finished:
             if self._resume is not None:
                 self._resume.forget(out.request_id)

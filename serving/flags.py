@@ -24,6 +24,7 @@ _LIMIT_HELP = {
     "max_stop_string_chars": "longest stop string (characters)",
     "max_stop_token_ids": "most stop token ids per request",
     "max_top_logprobs": "largest logprobs / top_logprobs",
+    "max_n": "most completions (n) per request",
     "max_concurrent_streams": "gRPC streams per connection (HTTP/2 SETTINGS)",
 }
 

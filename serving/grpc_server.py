@@ -52,7 +52,9 @@ def response_from_delta(
     request_id: str, delta: Delta, params: SamplingParams | None = None, prompt=()
 ) -> pb.GenerateResponse:
     """``params`` / ``prompt``: the request's, for its logprobs (none without them)."""
-    resp = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text)
+    resp = pb.GenerateResponse(
+        request_id=request_id, token_ids=delta.token_ids, text=delta.text, index=delta.index
+    )
     if params is not None and delta.top_logprobs is not None:
         k = params.logprobs
         resp.logprobs.extend(
@@ -113,6 +115,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         (ValueError / ServingError: the call fails)."""
         ctx = self.ctx
         params = sampling_params_from_proto(request.sampling_params)
+        params = params.replace(n=request.n or 1)  # 0 (unset): one completion
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise ValueError("prompt is required: set text or token_ids")

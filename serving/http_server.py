@@ -43,6 +43,7 @@ from serving.openai_protocol import (
     validation_message,
 )
 from serving.tenant import http_tenant
+from serving.tool_output import ToolStream
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is there
 
@@ -164,20 +165,24 @@ async def _stream_body(
     kind: Literal["chat.completion.chunk", "text_completion"] = (
         "chat.completion.chunk" if chat else "text_completion"
     )
-    delta, is_first = first, True
-    tool_stream = None if t.tools is None else t.tools.stream()
+    delta, tokens = first, {}  # tokens: each choice's completion tokens so far
+    tool_streams: dict[int, ToolStream] = {}  # per choice (n > 1)
     try:
         while True:
+            is_first = delta.index not in tokens  # n > 1: each choice opens its own message
+            tokens[delta.index] = delta.completion_tokens
             message, shown = None, delta
-            if tool_stream is not None:  # text outside calls as content, calls as tool_calls
-                message, shown = tool_stream.feed(delta)
+            if t.tools is not None:  # text outside calls as content, calls as tool_calls
+                if is_first:
+                    tool_streams[delta.index] = t.tools.stream()
+                message, shown = tool_streams[delta.index].feed(delta)
             parts = [choice(shown, chat, True, is_first, message, fmt)]
             chunk = {**meta, "object": kind, "choices": parts}
             yield _sse(chunk)
-            is_first = False
-            if delta.finished:
+            if delta.ends_stream:
                 if include_usage:
-                    yield _sse({**meta, "object": kind, "choices": [], "usage": usage(delta)})
+                    body = usage(delta.prompt_tokens, tokens)
+                    yield _sse({**meta, "object": kind, "choices": [], "usage": body})
                 break
             try:
                 delta = await anext(stream)
@@ -192,7 +197,7 @@ async def _stream_body(
 
 async def _rest(stream: RequestStream, first: Delta) -> list[Delta]:
     deltas = [first]
-    while not deltas[-1].finished:
+    while not deltas[-1].ends_stream:
         deltas.append(await anext(stream))
     return deltas
 

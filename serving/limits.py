@@ -20,7 +20,7 @@ MIB = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class RequestLimits:
-    """Per-request bounds (see the module docstring); ``n`` is fixed at 1 by the engine."""
+    """Per-request bounds (see the module docstring)."""
 
     max_body_bytes: int = 4 * MIB  # HTTP request body (413) and gRPC message size
     max_prompt_tokens: int | None = None  # None: the engine's max_seq_len
@@ -29,6 +29,7 @@ class RequestLimits:
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
     max_top_logprobs: int = MAX_LOGPROBS
+    max_n: int = 16  # completions per request (each one a sequence in its own slot)
     max_concurrent_streams: int = 256  # gRPC streams per connection (HTTP/2 setting)
 
     def __post_init__(self) -> None:
@@ -45,23 +46,18 @@ class RequestLimits:
                 f"got {self.max_top_logprobs}"
             )
 
-    @property
-    def max_n(self) -> int:
-        """Completions per request: the engine runs one sequence per request."""
-        return 1
-
     def resolved(self, max_seq_len: int) -> dict[str, int]:
-        """Every limit as a number (``None`` ones replaced by ``max_seq_len``), plus ``max_n``."""
+        """Every limit as a number (``None`` ones replaced by ``max_seq_len``)."""
         values = dataclasses.asdict(self)
         for name in ("max_prompt_tokens", "max_tokens"):
             if values[name] is None:
                 values[name] = max_seq_len
-        return {**values, "max_n": self.max_n}
+        return values
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError naming the first limit the request exceeds, and its value. (A
         ``None`` limit is the engine's own ``max_seq_len`` check, with its own message.)"""
-        limits = {**dataclasses.asdict(self), "max_n": self.max_n}
+        limits = dataclasses.asdict(self)
         _at_most("prompt tokens", len(prompt), "max_prompt_tokens", limits)
         if params.max_tokens is not None:
             _at_most("max_tokens", params.max_tokens, "max_tokens", limits)

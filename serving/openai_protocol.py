@@ -44,7 +44,6 @@ class _RequestFields(BaseModel):
     model_config = ConfigDict(extra="allow")  # undeclared fields: check_fields
 
     model: str | None = None
-    n: int = 1  # OpenAI's choices per request: one here
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     priority: int = 0
@@ -58,8 +57,6 @@ class _RequestFields(BaseModel):
 
     def sampling_params(self) -> SamplingParams:
         """Absent or null fields take the Python default; raises ValueError naming a field."""
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (one completion per request), got {self.n}")
         kwargs = {}
         for field in self.sampling_fields:
             value = getattr(self, field.surface_name)
@@ -321,11 +318,12 @@ def choice(
     message: dict[str, Any] | None = None,
     fmt: LogprobFormatter | None = None,
 ) -> dict[str, Any]:
-    """Choice 0 of a body (``streaming`` False: ``delta`` is the whole completion) or of a
-    streamed chunk (``first``: the chunk that opens the assistant message); ``message``: the
-    chat message's fields when not just ``delta.text`` as content (tool calls); ``fmt``: the
-    request's logprobs and echo (``Translated.logprob_formatter``; None: neither)."""
-    out: dict[str, Any] = {"index": 0}
+    """Choice ``delta.index`` of a body (``streaming`` False: ``delta`` is the whole completion)
+    or of a streamed chunk (``first``: the chunk that opens this choice's assistant message);
+    ``message``: the chat message's fields when not just ``delta.text`` as content (tool
+    calls); ``fmt``: the request's logprobs and echo (``Translated.logprob_formatter``; None:
+    neither)."""
+    out: dict[str, Any] = {"index": delta.index}
     text = delta.text if fmt is None else fmt.text(delta.text, first)
     if chat:
         fields = {"content": text} if message is None else message
@@ -348,27 +346,31 @@ def choice(
     return out
 
 
-def usage(delta: Delta) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: dict[int, int]) -> dict[str, int]:
+    """A request's usage; ``completion_tokens``: each choice's count (n > 1: summed)."""
+    completion = sum(completion_tokens.values())
     return {
-        "prompt_tokens": delta.prompt_tokens,
-        "completion_tokens": delta.completion_tokens,
-        "total_tokens": delta.prompt_tokens + delta.completion_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
     }
 
 
-def joined(deltas: list[Delta]) -> Delta:
-    """The deltas of one request as one whole completion."""
-    last = deltas[-1]
-    return Delta(
-        token_ids=[t for d in deltas for t in d.token_ids],
-        text="".join(d.text for d in deltas),
-        finish_reason=last.finish_reason,
-        stop_reason=last.stop_reason,
-        prompt_tokens=last.prompt_tokens,
-        completion_tokens=last.completion_tokens,
-        top_logprobs=_joined_top_logprobs(deltas),
-        prompt_logprobs=deltas[0].prompt_logprobs,
-    )
+def joined(deltas: list[Delta]) -> list[Delta]:
+    """The deltas of one request as whole completions, one per choice, in index order."""
+    choices: dict[int, list[Delta]] = {}
+    for d in deltas:
+        choices.setdefault(d.index, []).append(d)
+    return [
+        dataclasses.replace(
+            ds[-1],
+            token_ids=[t for d in ds for t in d.token_ids],
+            text="".join(d.text for d in ds),
+            top_logprobs=_joined_top_logprobs(ds),
+            prompt_logprobs=ds[0].prompt_logprobs,
+        )
+        for _, ds in sorted(choices.items())
+    ]
 
 
 def _joined_top_logprobs(deltas: list[Delta]) -> list | None:
@@ -378,18 +380,22 @@ def _joined_top_logprobs(deltas: list[Delta]) -> list | None:
 
 def response_body(
     meta: dict[str, Any],
-    whole: Delta,
+    wholes: list[Delta],
     chat: bool,
     tools: ToolCalling | None = None,
     fmt: LogprobFormatter | None = None,
 ) -> dict[str, Any]:
-    """The body of a non-streamed response: ``chat.completion`` or ``text_completion``."""
-    message = None
-    if tools is not None:
-        message, whole = tools.whole(whole)
+    """The body of a non-streamed response: ``chat.completion`` or ``text_completion``, with
+    one choice per whole completion (:func:`joined`)."""
+    choices = []
+    for whole in wholes:
+        message = None
+        if tools is not None:
+            message, whole = tools.whole(whole)
+        choices.append(choice(whole, chat, False, True, message, fmt))
     return {
         **meta,
         "object": "chat.completion" if chat else "text_completion",
-        "choices": [choice(whole, chat, False, True, message, fmt)],
-        "usage": usage(whole),
+        "choices": choices,
+        "usage": usage(wholes[0].prompt_tokens, {w.index: w.completion_tokens for w in wholes}),
     }

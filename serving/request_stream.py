@@ -4,7 +4,7 @@ A consumer that stops reading — a client that does not read its socket, so the
 ``send`` blocks and it stops pulling from the stream — must not make the server hold unbounded
 output. Each stream therefore holds at most ``limit`` undelivered outputs on the consumer's
 queue. Past that, the engine thread coalesces further outputs into one pending
-:class:`Delta` (tokens and text appended, nothing lost: a slow reader simply gets bigger
+:class:`Delta` per choice (tokens and text appended, nothing lost: a slow reader simply gets bigger
 chunks) and the stream is *stalled*. A stalled stream whose consumer takes nothing for
 ``stall_timeout`` seconds is given up: its request is aborted (slot and pages freed), the
 stream ends with RESOURCE_EXHAUSTED, and ``jbatch_slow_consumer_aborts_total`` counts it.
@@ -22,7 +22,8 @@ from serving.errors import ServingError
 
 @dataclasses.dataclass(frozen=True)
 class Delta:
-    """What one engine step added to a request; the last one has ``finish_reason`` set."""
+    """What one engine step added to one choice (``index``) of a request; a choice's last delta
+    has ``finish_reason`` set, and the stream ends with the last one of the last choice."""
 
     token_ids: list[int]
     text: str
@@ -32,10 +33,17 @@ class Delta:
     completion_tokens: int = 0  # generated so far, this delta included
     top_logprobs: list[TopLogprobs] | None = None  # per token, when the request asked
     prompt_logprobs: list[TopLogprobs | None] | None = None  # on the first delta that has them
+    index: int = 0  # the choice (0..n-1)
+    more_choices: bool = False  # other choices are still running: the stream goes on
 
     @property
     def finished(self) -> bool:
+        """This choice is finished."""
         return self.finish_reason is not None
+
+    @property
+    def ends_stream(self) -> bool:
+        return self.finished and not self.more_choices
 
     def then(self, later: Delta) -> Delta:
         """This delta followed by ``later``, as one."""
@@ -74,7 +82,7 @@ class RequestStream:
         self._taken = 0
         # Engine thread only (StreamBuffers): the coalesced outputs past the limit, and since
         # when (and at which _taken) the stream has been stalled.
-        self._overflow: Delta | None = None
+        self._overflow: dict[int, Delta] = {}  # by choice index
         self._stalled_at = 0.0
         self._taken_mark = 0
 
@@ -90,7 +98,7 @@ class RequestStream:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
             self._sent += 1
         except RuntimeError:
-            ended = isinstance(item, ServingError) or item.finished
+            ended = isinstance(item, ServingError) or item.ends_stream
             if not self.done and not ended:
                 self.done = True
                 self._owner.abort(self.request_id, "disconnected")
@@ -106,7 +114,7 @@ class RequestStream:
         if isinstance(item, ServingError):
             self.done = True
             raise item
-        if item.finished:
+        if item.ends_stream:
             self.done = True
         return item
 
@@ -131,10 +139,11 @@ class StreamBuffers:
 
     def push(self, stream: RequestStream, delta: Delta, now: float) -> None:
         """Deliver ``delta``, or coalesce it while the consumer's queue is full."""
-        if stream._overflow is None and stream.buffered < self.limit:
+        if not stream._overflow and stream.buffered < self.limit:
             stream._put(delta)
             return
-        stream._overflow = delta if stream._overflow is None else stream._overflow.then(delta)
+        pending = stream._overflow.get(delta.index)
+        stream._overflow[delta.index] = delta if pending is None else pending.then(delta)
         if stream.request_id not in self.stalled:
             stream._stalled_at, stream._taken_mark = now, stream._taken
             self.stalled[stream.request_id] = stream
@@ -157,7 +166,7 @@ class StreamBuffers:
         """Drop what a stream had pending (it is ending with an error or an abort)."""
         stream = self.stalled.pop(request_id, None)
         if stream is not None:
-            stream._overflow = None
+            stream._overflow = {}
 
     def flush_all(self) -> None:
         """Hand every pending output over regardless of the limit (the thread is exiting)."""
@@ -166,6 +175,6 @@ class StreamBuffers:
 
     def _flush(self, request_id: str) -> None:
         stream = self.stalled.pop(request_id)
-        pending, stream._overflow = stream._overflow, None
-        if pending is not None:
-            stream._put(pending)
+        pending, stream._overflow = stream._overflow, {}
+        for delta in sorted(pending.values(), key=lambda d: d.ends_stream):  # the end comes last
+            stream._put(delta)

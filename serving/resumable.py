@@ -58,10 +58,15 @@ def replay(deltas: list[Delta], from_token: int) -> list[Delta]:
 def write_streams(directory: Path, streams: dict[str, tuple[str | None, list[Delta]]]) -> None:
     """``engine request id -> (client request id or None, deltas sent)`` into the snapshot."""
     data = {
-        rid: {"client_id": cid, "deltas": [dataclasses.asdict(d) for d in deltas]}
+        rid: {"client_id": cid, "deltas": [_plain(d) for d in deltas]}
         for rid, (cid, deltas) in streams.items()
     }
     (directory / STREAMS_FILE).write_text(json.dumps(data))
+
+
+def _plain(d: Delta) -> dict:
+    """A delta as JSON; logprobs are not carried across a restart (a resumed stream has none)."""
+    return dataclasses.asdict(dataclasses.replace(d, top_logprobs=None, prompt_logprobs=None))
 
 
 def read_streams(directory: Path) -> dict[str, tuple[str | None, list[Delta]]]:

@@ -70,7 +70,7 @@ class SnapshotStreams:
     def _park_output(self, out: RequestOutput) -> None:
         parked = None if self._resume is None else self._resume.parked.get(out.request_id)
         if parked is not None:
-            parked.deltas.append(delta_of(out))
+            parked.deltas.extend(deltas_of(out))
             if out.finished:
                 parked.finished = True
                 self.engine.forget(out.request_id)
@@ -103,15 +103,22 @@ class SnapshotStreams:
             self.engine.forget(rid)
 
 
-def delta_of(out: RequestOutput) -> Delta:
-    completion = out.outputs[0]
-    return Delta(
-        token_ids=completion.token_ids,
-        text=completion.text,
-        finish_reason=completion.finish_reason if out.finished else None,
-        stop_reason=completion.stop_reason if out.finished else None,
-        prompt_tokens=len(out.prompt_token_ids),
-        completion_tokens=completion.num_tokens,
-        top_logprobs=completion.top_logprobs,
-        prompt_logprobs=out.prompt_logprobs,
-    )
+def deltas_of(out: RequestOutput) -> list[Delta]:
+    """One delta per completion in ``out`` (n > 1: several); the stream ends with the last one
+    of a finished request (``more_choices`` false)."""
+    last = len(out.outputs) - 1
+    return [
+        Delta(
+            token_ids=c.token_ids,
+            text=c.text,
+            finish_reason=c.finish_reason if c.finished() else None,
+            stop_reason=c.stop_reason if c.finished() else None,
+            prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=c.num_tokens,
+            top_logprobs=c.top_logprobs,
+            prompt_logprobs=out.prompt_logprobs,
+            index=c.index,
+            more_choices=not (out.finished and i == last),
+        )
+        for i, c in enumerate(out.outputs)
+    ]

@@ -279,7 +279,7 @@ def test_http_models_follow_the_fields():
         ({"prompt": "hi", "temperature": -1}, "temperature"),
         ({"prompt": "hi", "min_tokens": "many"}, "min_tokens"),
         ({"prompt": "hi", "stop_token_ids": [1, "x"]}, "stop_token_ids"),
-        ({"prompt": "hi", "n": 2}, "n must be 1"),
+        ({"prompt": "hi", "n": 0}, "n must be >= 1"),
         ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ],
 )

@@ -371,7 +371,8 @@ def test_grpc_invalid_argument(served, request_kw, needle):
     "body, needle",
     [
         ({"prompt": "hi", "temperature": -1}, "temperature"),
-        ({"prompt": "hi", "n": 2}, "n must be 1"),
+        ({"prompt": "hi", "n": 0}, "n must be >= 1"),
+        ({"prompt": "hi", "n": 17}, "max_n=16"),
         ({"prompt": "hi", "max_tokens": "lots"}, "max_tokens"),
         ({"prompt": "hi", "min_tokens": 3}, "min_tokens"),
         ({"prompt": [1, 99999]}, "vocabulary"),

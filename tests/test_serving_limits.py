@@ -33,6 +33,7 @@ LIMITS = RequestLimits(
     max_stop_strings=2,
     max_stop_string_chars=6,
     max_stop_token_ids=2,
+    max_n=3,
     max_concurrent_streams=2,
 )
 
@@ -46,7 +47,7 @@ def limited(hardened_llm):  # noqa: F811
 
 def test_limits_are_in_model_info_and_models(limited):
     expected = {
-        "max_body_bytes": 4096, "max_prompt_tokens": 24, "max_tokens": 16, "max_n": 1,
+        "max_body_bytes": 4096, "max_prompt_tokens": 24, "max_tokens": 16, "max_n": 3,
         "max_stop_strings": 2, "max_stop_string_chars": 6, "max_stop_token_ids": 2,
         "max_top_logprobs": 20, "max_concurrent_streams": 2,
     }  # fmt: skip
@@ -76,6 +77,7 @@ OVER = [  # (HTTP body fields, gRPC request fields, the limit named, the value n
      dict(token_ids=pb.TokenIds(ids=[5]),
           sampling_params=pb.SamplingParams(stop_token_ids=[7, 8, 9])),
      "max_stop_token_ids=2", "3"),
+    ({"prompt": [5], "n": 4}, dict(token_ids=pb.TokenIds(ids=[5]), n=4), "max_n=3", "4"),
 ]  # fmt: skip
 
 
@@ -96,8 +98,8 @@ def test_over_a_limit_is_400_and_invalid_argument(limited, body, request_kw, lim
 def test_n_and_top_logprobs_limits():
     with pytest.raises(ValueError, match="max_top_logprobs=2"):
         RequestLimits(max_top_logprobs=2).check([1], SamplingParams(logprobs=3))
-    with pytest.raises(ValueError, match="max_n=1"):
-        RequestLimits().check([1], SamplingParams(n=2))
+    with pytest.raises(ValueError, match="n: 3 is over this server's limit max_n=2"):
+        RequestLimits(max_n=2).check([1], SamplingParams(n=3))
     with pytest.raises(ValueError, match="max_body_bytes must be an int >= 1"):
         RequestLimits(max_body_bytes=0)
     RequestLimits().check([1] * 10_000, SamplingParams(max_tokens=10_000))  # None: the engine's
@@ -186,9 +188,10 @@ def test_serve_flags_build_the_config(monkeypatch):
     argv = ["serve", "--api-key", "a1", "--api-key", "b2", "--protect-metrics"]
     argv += ["--max-body-bytes", "1000", "--max-tokens-limit", "7", "--max-prompt-tokens", "9"]
     argv += ["--max-concurrent-streams", "3", "--stream-buffer", "5", "--stream-stall-timeout", "2"]
+    argv += ["--max-n", "4"]
     config = hardening_config(_build_parser().parse_args(argv))
     assert config["limits"] == RequestLimits(
-        max_body_bytes=1000, max_tokens=7, max_prompt_tokens=9, max_concurrent_streams=3
+        max_body_bytes=1000, max_tokens=7, max_prompt_tokens=9, max_concurrent_streams=3, max_n=4
     )
     keys = config["api_keys"]
     assert keys.allows("Bearer a1") and keys.allows("Bearer b2") and keys.protect_metrics

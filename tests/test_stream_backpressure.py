@@ -31,7 +31,7 @@ def test_stream_buffers_coalesce_then_give_up():
         for i in range(5):
             buffers.push(stream, Delta([i], str(i)), now=0.0)
         await asyncio.sleep(0)
-        assert stream._queue.qsize() == 2 and stream._overflow.token_ids == [2, 3, 4]
+        assert stream._queue.qsize() == 2 and stream._overflow[0].token_ids == [2, 3, 4]
         assert buffers.service(now=0.5) == []  # within the timeout
         first = await anext(stream)  # the consumer reads one: alive, room for the overflow
         assert buffers.service(now=5.0) == [] and not buffers.stalled
@@ -41,7 +41,7 @@ def test_stream_buffers_coalesce_then_give_up():
         for i in range(3):
             buffers.push(stream, Delta([i], ""), now=10.0)
         assert buffers.service(now=10.9) == []
-        assert buffers.service(now=11.0) == [stream] and stream._overflow is None
+        assert buffers.service(now=11.0) == [stream] and stream._overflow == {}
 
     asyncio.run(run())
     with pytest.raises(ValueError, match="stream_buffer"):

@@ -182,7 +182,7 @@ def test_auto_parses_a_canned_output_unit_level(hardened_llm):
     req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": TOOLS})
     t = translate_chat(req, tok)
     assert t.params.structured is None and t.tools == ToolCalling(HermesParser)
-    body = response_body({"id": "x"}, Delta([1], HERMES_TEXT, "stop", None, 3, 1), True, t.tools)
+    body = response_body({"id": "x"}, [Delta([1], HERMES_TEXT, "stop", None, 3, 1)], True, t.tools)
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])["days"] == 2

@@ -39,6 +39,7 @@ from jbatch.engine import batch_builder, grammar, logprob_host, snapshot, stop_c
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.engine_core import EngineCore
 from jbatch.engine.interface import EngineStats, StepFailed
+from jbatch.engine.parent_request import ParentRequest, merge_outputs, whole_families
 from jbatch.engine.request import Request, RequestStatus
 from jbatch.engine.scheduler import Scheduler, SchedulerOutput
 from jbatch.engine.sizing import resolve
@@ -93,7 +94,10 @@ class LLMEngine:
             self.state = self.core.warmup(params, self.state)
         self.scheduler = Scheduler(cfg)
         self._grammars: grammar.GrammarCompiler | None = None  # built on first use
-        self.requests: dict[str, Request] = {}
+        # Requests by id; the children of an n > 1 request by (id, index), its ParentRequest
+        # in ``parents``.
+        self.requests: dict[str | tuple[str, int], Request] = {}
+        self.parents: dict[str, ParentRequest] = {}
         self._inflight: collections.deque[tuple[SchedulerOutput, object]] = collections.deque()
         self._ids = itertools.count()
         self._failures = 0  # consecutive failed steps
@@ -119,7 +123,7 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         tenant = check_tenant(tenant)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_text, ids = self._prompt_ids(prompt)
         room = self.cfg.max_seq_len - len(ids)
@@ -128,16 +132,13 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens; max_seq_len={self.cfg.max_seq_len} leaves no room "
                 f"to generate"
             )
-        if params.n != 1:
-            raise ValueError(
-                f"n={params.n}: LLMEngine runs one sequence per request (LLM fans out)"
-            )
         if params.min_tokens:
             raise ValueError(f"min_tokens={params.min_tokens} is not supported yet")
         matcher = None if params.structured is None else self._matcher(params)
         detok = None
+        new_detok = lambda: IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            detok = new_detok()
         elif params.stop:
             raise ValueError(f"stop={params.stop!r} needs a tokenizer; this model has none")
         seq = Request(
@@ -155,8 +156,19 @@ class LLMEngine:
             output_kind=OutputKind(output_kind),
             matcher=matcher,
         )
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        if params.n == 1:
+            self.requests[request_id] = seq
+            self.scheduler.add(seq)
+            return request_id
+        per_child = lambda: {  # each child's own detokenizer and grammar matcher
+            "detokenizer": new_detok() if detok else None,
+            "matcher": None if matcher is None else self._matcher(params),
+        }
+        parent = ParentRequest.fan_out(seq, params.n, per_child)
+        self.parents[request_id] = parent
+        for key, child in zip(parent.child_keys(), parent.children):
+            self.requests[key] = child
+            self.scheduler.add(child)
         return request_id
 
     def _matcher(self, params: SamplingParams):
@@ -196,9 +208,10 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; its slot and pages are free for the next step."""
-        seq = self.requests.get(request_id)
-        if seq is not None and not seq.finished:
-            self.scheduler.finish(seq, "abort")
+        parent = self.parents.get(request_id)
+        for seq in parent.children if parent else [self.requests.get(request_id)]:
+            if seq is not None and not seq.finished:
+                self.scheduler.finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work or bool(self._inflight)
@@ -217,9 +230,8 @@ class LLMEngine:
             # Requests the device never saw stay queued, unless steps keep failing.
             dropped = self._reset(requeue_waiting=self._failures < 2, reason="error")
             error = f"engine step failed: {type(e).__name__}: {e}"
-            raise StepFailed(
-                [s.request_id for s in dropped], [self._error_output(s, error) for s in dropped], e
-            ) from e
+            outputs = merge_outputs((s, self._error_output(s, error)) for s in dropped)
+            raise StepFailed([o.request_id for o in outputs], outputs, e) from e
         finally:
             self.counters["host_seconds"] += time.perf_counter() - t0
         return outputs
@@ -340,7 +352,7 @@ class LLMEngine:
             return []
         tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
         now = time.monotonic()
-        results = []
+        results: list[tuple[Request, RequestOutput]] = []
         for seq, slot in sched.samplers:
             seq.inflight -= 1
             if seq.finished:
@@ -358,9 +370,9 @@ class LLMEngine:
                 self.scheduler.finish(seq, *done)
             out = self._output(seq)
             if out is not None:
-                results.append(out)
+                results.append((seq, out))
         self.counters["tokens"] += len(sched.samplers)
-        return results
+        return merge_outputs(results)  # n > 1: one output per request, not per child
 
     def _output(self, seq: Request) -> RequestOutput | None:
         """This step's output for ``seq`` (None: a FINAL request still running). O(1) per token
@@ -374,8 +386,8 @@ class LLMEngine:
         else:
             text, ids, logprobs = delta_text, seq.output_ids[-1:], seq.logprobs[-1:]
         completion = CompletionOutput(
-            0, text, ids, seq.cumulative_logprob, logprobs, seq.finish_reason, seq.stop_reason,
-            len(seq.output_ids), self._top_logprobs(seq, len(ids)),
+            seq.index, text, ids, seq.cumulative_logprob, logprobs, seq.finish_reason,
+            seq.stop_reason, len(seq.output_ids), self._top_logprobs(seq, len(ids)),
         )  # fmt: skip
         return RequestOutput(
             seq.request_id, seq.prompt, seq.prompt_ids, [completion], finished, self._metrics(seq),
@@ -404,8 +416,9 @@ class LLMEngine:
         ids = list(seq.output_ids) if final else []
         logprobs = list(seq.logprobs) if final else []
         completion = CompletionOutput(
-            0, text, ids, seq.cumulative_logprob, logprobs, "error", None, len(seq.output_ids)
-        )
+            seq.index, text, ids, seq.cumulative_logprob, logprobs, "error", None,
+            len(seq.output_ids),
+        )  # fmt: skip
         return RequestOutput(
             seq.request_id, seq.prompt, seq.prompt_ids, [completion], True, self._metrics(seq),
             error=error,
@@ -454,13 +467,14 @@ class LLMEngine:
         gone). Requests that never reached the device are requeued (unless ``requeue_waiting``
         is False); every other unfinished request is dropped (finish reason "abort"). Returns
         the dropped request ids."""
-        return [seq.request_id for seq in self._reset(requeue_waiting, "abort")]
+        dropped = self._reset(requeue_waiting, "abort")
+        return list(dict.fromkeys(seq.request_id for seq in dropped))  # n > 1: once
 
     def _reset(self, requeue_waiting: bool, reason: str) -> list[Request]:
         self.state = self.core.init_state()
         self._inflight.clear()
         old, self.scheduler = self.scheduler, Scheduler(self.cfg)
-        pristine = [s for s in old.waiting if s.admitted_at < 0 and not s.inflight]
+        pristine = whole_families([s for s in old.waiting if s.admitted_at < 0 and not s.inflight])
         if requeue_waiting:
             for seq in pristine:
                 self.scheduler.add(seq)
@@ -471,10 +485,19 @@ class LLMEngine:
                 seq.status, seq.finish_reason = RequestStatus.FINISHED, reason
                 del self.requests[rid]
                 dropped.append(seq)
+        self.parents = {rid: p for rid, p in self.parents.items() if not p.finished}
         return dropped
 
     def forget(self, request_id: str) -> bool:
         """Drop a finished request's record; False if the request is still unfinished."""
+        parent = self.parents.get(request_id)
+        if parent is not None:
+            if not parent.finished:
+                return False
+            for key in parent.child_keys():
+                self.requests.pop(key, None)
+            del self.parents[request_id]
+            return True
         seq = self.requests.get(request_id)
         if seq is not None and not seq.finished:
             return False
@@ -501,3 +524,4 @@ class LLMEngine:
         """Drop finished requests' records (long-running servers call this periodically)."""
         for rid in [r for r, s in self.requests.items() if s.status is RequestStatus.FINISHED]:
             del self.requests[rid]
+        self.parents = {rid: p for rid, p in self.parents.items() if not p.finished}

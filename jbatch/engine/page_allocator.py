@@ -94,6 +94,14 @@ class PageAllocator:
                 self._refs[page] += 1
         return pages
 
+    def share(self, pages: Sequence[int]) -> list[int]:
+        """Take one more reference on each owned page (a sibling's prompt pages, n > 1)."""
+        for page in pages:
+            if page not in self._refs:
+                raise RuntimeError(f"page {page} shared but not owned")
+            self._refs[page] += 1
+        return list(pages)
+
     def register(self, page: int, h: bytes) -> None:
         """Record that owned ``page`` holds the full page named ``h`` (first writer wins)."""
         if self.enable_prefix_caching and h not in self._page_of and page not in self._hash_of:

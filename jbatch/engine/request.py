@@ -40,6 +40,9 @@ class Request:
     output_kind: OutputKind = OutputKind.DELTA
     matcher: Any = None  # llguidance.LLMatcher of a structured request (engine/grammar.py)
     error: str | None = None  # why the request failed (finish reason "error")
+    # n > 1: the request's ParentRequest (parent_request.py) and this completion's index.
+    parent: object | None = dataclasses.field(default=None, repr=False)
+    index: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None

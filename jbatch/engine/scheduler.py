@@ -12,7 +12,9 @@ Per step, in this order:
    effective priority (``priority`` minus one per ``aging_steps`` waited since arrival; lower
    first), FCFS within a priority; a preempted sequence keeps its place (a heap:
    ``waiting_queue.py``). Full prompt pages already in the prefix cache are reused, not
-   recomputed; the rest is prefilled in chunks, so a long prompt never blocks decodes.
+   recomputed, and so are the prompt pages a sibling sequence of the same request (n > 1)
+   has computed (``parent_request.py``); the rest is prefilled in chunks, so a long prompt never
+   blocks decodes.
 
 The admission and eviction orders above are the ``priority`` policy; ``policies.py`` holds the
 others (``fcfs``, ``fair``). Whatever the policy, each tenant's service is charged to a
@@ -27,6 +29,7 @@ import dataclasses
 from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.page_allocator import PageAllocator
+from jbatch.engine.parent_request import sibling_prompt_pages
 from jbatch.engine.policies import VictimOrder, waiting_queue
 from jbatch.engine.request import Request, RequestStatus
 from jbatch.engine.tenants import TenantLedger
@@ -264,10 +267,9 @@ class Scheduler:
                 self.running[slot] = seq
                 out.swap_ins.append((seq, slot, pages))  # written back after this step
                 continue
-            cached = []
-            if self._cacheable(seq):
-                n = seq.hash_pages(seq.num_tokens - 1, self.cfg.page_size)
-                cached = self.allocator.lookup(seq.page_hash_chain[:n])
+            cached = self._start_pages(seq, out)
+            if cached is None:
+                continue  # a sibling computes the prompt pages it will share (n > 1)
             if self.allocator.num_free == 0 and not cached:
                 break  # the head of the queue waits for pages; nobody overtakes it
             self.waiting.remove(seq)
@@ -277,6 +279,20 @@ class Scheduler:
             self.running[slot] = seq
             out.inserts.append(seq)
             budget, rows = self._schedule_chunk(seq, budget, rows, out)
+
+    def _start_pages(self, seq: Request, out: SchedulerOutput) -> list[int] | None:
+        """Pages ``seq`` starts with, referenced, not computed: its siblings' prompt pages
+        (n > 1), then prefix-cache hits. None: wait for a sibling computing them now."""
+        fresh = {id(s) for s, _, _ in out.swap_ins}
+        shared = sibling_prompt_pages(seq, self.cfg.page_size, fresh)
+        if shared is None:
+            return None
+        pages = self.allocator.share(shared)
+        if self._cacheable(seq):
+            n = seq.hash_pages(seq.num_tokens - 1, self.cfg.page_size)
+            if n > len(pages):
+                pages += self.allocator.lookup(seq.page_hash_chain[len(pages) : n])
+        return pages
 
     def check_invariants(self) -> None:
         """Pages and slots are each in exactly one place; refcounts match the page tables;

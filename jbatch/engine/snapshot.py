@@ -55,6 +55,7 @@ def save(engine: LLMEngine, directory: str | Path) -> list[RequestOutput]:
     records = {
         "scheduler": engine.scheduler,
         "requests": engine.requests,
+        "parents": engine.parents,  # n > 1: their children are request records too
         "counters": engine.counters,
         "next_id": _peek(engine),
         "state": None if _on_device(engine) else engine.state,
@@ -88,15 +89,23 @@ def load(engine: LLMEngine, directory: str | Path) -> None:
     else:
         engine.state = records["state"]
     engine.scheduler, engine.requests = records["scheduler"], records["requests"]
+    engine.parents = records["parents"]
     engine.counters = records["counters"]
     engine._ids = itertools.count(records["next_id"])
-    for seq in engine.requests.values():
+    for seq in _records(engine):
         if seq.detokenizer is not None:
             seq.detokenizer.tokenizer = engine.tokenizer
         if seq.params.structured is not None and not seq.finished:
             seq.matcher = engine._matcher(seq.params)
             if seq.output_ids and not seq.matcher.consume_tokens(seq.output_ids):
                 raise ValueError(f"request {seq.request_id}: its outputs do not replay")
+
+
+def _records(engine: LLMEngine) -> list:
+    """Every request record: the requests, and the children of n > 1 requests (a finished
+    child may be forgotten from ``requests`` while its siblings run)."""
+    children = (c for parent in engine.parents.values() for c in parent.children)
+    return list({id(s): s for s in [*engine.requests.values(), *children]}.values())
 
 
 def _on_device(engine: LLMEngine) -> bool:
@@ -124,7 +133,7 @@ class _detached:
     """Matchers and detokenizers' tokenizers off the request records while they are pickled."""
 
     def __init__(self, engine: LLMEngine):
-        self.seqs = list(engine.requests.values())
+        self.seqs = _records(engine)
 
     def __enter__(self):
         self.saved = [(s.matcher, s.detokenizer and s.detokenizer.tokenizer) for s in self.seqs]

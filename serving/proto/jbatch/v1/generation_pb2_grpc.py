@@ -52,9 +52,10 @@ class GenerationServicer:
     """
 
     def Generate(self, request, context):
-        """Stream the completion of one prompt: one response per engine step that produced tokens.
-        The last response carries finish_reason and usage. Cancelling the call (or its deadline
-        passing) aborts the request and frees its slot and KV pages.
+        """Stream the completion(s) of one prompt: one response per engine step and completion that
+        produced tokens. Each completion's last response carries finish_reason and usage.
+        Cancelling the call (or its deadline passing) aborts the request (all its completions) and
+        frees its slots and KV pages.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
