@@ -24,6 +24,7 @@ ALLOWED = {
     grpc.StatusCode.OK,
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.RESOURCE_EXHAUSTED,  # a message over max_body_bytes
+    grpc.StatusCode.NOT_FOUND,  # `resume` set: no restored request of that id (resumable.py)
 }
 # Short generations keep the fuzzing fast; generated max_tokens above it are refused (400).
 LIMITS = RequestLimits(max_tokens=8, max_body_bytes=1 << 16)
@@ -90,6 +91,7 @@ def generate_requests(draw) -> bytes:
         ids = st.lists(_scalar(_ids_field()), min_size=1, max_size=24)
     else:  # mostly valid, so that generation itself is exercised
         req.sampling_params.CopyFrom(pb.SamplingParams(**draw(_SANE_PARAMS)))
+        req.n, req.resume = draw(st.integers(0, 3)), False  # a new request (0: n unset)
         ids = st.lists(st.integers(0, 511), min_size=1, max_size=24)
     prompt = draw(st.sampled_from(["none", "text", "ids", "ids", "empty_ids"]))
     if prompt == "text":
