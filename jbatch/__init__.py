@@ -5,6 +5,7 @@ from jbatch.engine.llm_engine import LLMEngine
 from jbatch.llm import LLM
 from jbatch.outputs import CompletionOutput, RequestOutput
 from jbatch.sampling_params import SamplingParams
+from jbatch.structured_output import StructuredOutput
 
 __all__ = [
     "LLM",
@@ -13,5 +14,6 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutput",
 ]
 __version__ = "0.1.0"
