@@ -178,11 +178,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument(
+        "--overlap", action="store_true", help="EngineConfig.structured_overlap: a constrained "
+        "step's forward runs while its bitmask is filled"
+    )  # fmt: skip
     ap.add_argument("--out", default="docs/bench_structured.json")
     args = ap.parse_args()
 
     llm = LLM(demo_model_path(), max_slots=args.slots, num_pages=1024, max_seq_len=512,
-              max_num_batched_tokens=256)  # fmt: skip
+              max_num_batched_tokens=256, structured_overlap=args.overlap)  # fmt: skip
     constrained = constrained_requests(args.requests)
     calibration = llm.generate(  # also warms the host paths (grammar cache, tokenizer)
         [p for p, _ in constrained], [sp for _, sp in constrained], use_tqdm=False

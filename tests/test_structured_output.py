@@ -194,9 +194,12 @@ SPECS = [
 PROMPTS = ["def fibonacci(n):\n    ", "import os\n", "The answer is ", "class Stack:\n", "# "]
 
 
+ENGINE = dict(max_slots=4, max_num_batched_tokens=64, max_seq_len=512, num_pages=96)
+
+
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(DEMO, max_slots=4, max_num_batched_tokens=64, max_seq_len=512, num_pages=96)
+    return LLM(DEMO, **ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +245,22 @@ def test_no_recompiles_and_lockstep_only_when_needed(llm, mixed_run):
     before = llm.engine.stats().constrained_steps
     llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     assert llm.engine.stats().constrained_steps == before  # free batches keep the overlap
+
+
+def test_overlapped_steps_give_the_same_tokens(mixed_run):
+    """``structured_overlap``: a constrained step's forward is dispatched before its bitmask
+    is filled and sampled by a second program; same tokens as the one-program step, no
+    compiles after warm-up, and the lockstep steps did take that path."""
+    requests, outs, _ = mixed_run
+    llm = LLM(DEMO, structured_overlap=True, **ENGINE)
+    core, calls = llm.engine.core, []
+    sample = core.sample
+    core.sample = lambda *a: calls.append(1) or sample(*a)
+    with count_compiles() as compiled:
+        got = llm.generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
+    assert compiled == []
+    assert calls and len(calls) == llm.engine.stats().constrained_steps
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in outs]
 
 
 def test_seeded_constrained_output_is_deterministic(llm):

@@ -58,6 +58,10 @@ class EngineConfig:
     tenant_weights: (tenant, weight) pairs (a dict is accepted): a tenant's share under
         "fair" is proportional to its weight (default 1). CLI: ``--tenant-weights FILE`` (JSON).
     debug_checks: verify the scheduler's page and slot invariants after every step (slow).
+    structured_overlap: also compile each step as a forward program and a sampling program, so
+        a step with structured-output requests is dispatched before its token bitmask is ready
+        and the device runs the forward while the host fills the mask (one device program per
+        bucket pair more to compile; one device: not with tp/dp).
     quantization: weight-only quantization of every linear layer, done at load time: None (the
         checkpoint's weights in ``dtype``) or "int8" (per-output-channel symmetric scales).
     quantize_lm_head: with ``quantization``, also quantize the LM head (the embedding too when
@@ -83,6 +87,7 @@ class EngineConfig:
     scheduling_policy: str = "priority"
     tenant_weights: tuple[tuple[str, float], ...] = ()
     debug_checks: bool = False
+    structured_overlap: bool = False
     quantization: str | None = None
     quantize_lm_head: bool = False
     tp: int = 1

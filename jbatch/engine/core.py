@@ -209,7 +209,18 @@ def release(state: EngineState, mask: Bool[Array, " slots"]) -> EngineState:
     return state.replace(active=state.active & ~mask)
 
 
-def step(
+@struct.dataclass
+class ForwardResult:
+    """What :func:`step_forward` hands :func:`step_sample`: the step's logits and the rows that
+    sample (everything sampling needs that the state does not hold)."""
+
+    logits: Float[Array, "slots vocab"]  # each slot's row of the LM head (float32)
+    sampled: Bool[Array, " slots"]  # slots that sample this step
+    want_top: Bool[Array, " slots"]  # slots that asked for top logprobs
+    prompt_top: TopLogprobs  # per prompt row (computed with the forward)
+
+
+def step_forward(
     params: dict,
     state: EngineState,
     batch: StepBatch,
@@ -220,19 +231,11 @@ def step(
     logits_shardings: tuple[jax.sharding.Sharding, ...] = (),
     attention=None,
     experts=None,
-    token_bitmask: Int32[Array, "slots words"] | None = None,
-) -> tuple[EngineState, StepOutput]:
-    """One model pass over decode rows + prompt-chunk rows, then sampling (see module doc).
-
-    ``token_bitmask``: the tokens each slot may sample (structured output; see
-    ``sampler.apply_bitmask``), None or all ones: any token.
-    ``attention`` and ``experts`` replace the model's attention and MoE expert calls (tensor
-    parallelism: per shard);
-    ``logits_shardings`` (tensor parallelism): constrain the logits to each in turn — vocab-split
-    as the LM head makes them, then replicated — so only ``[slots, vocab]`` logits are gathered
-    (never the LM head) and the sampler runs whole rows on every shard."""
+) -> tuple[EngineState, ForwardResult]:
+    """Steps 1-3 of the module doc and the lengths of step 5: everything of a step that does
+    not depend on the tokens it samples (``attention``, ``experts``, ``logits_shardings``: see
+    :func:`step`)."""
     s = state.max_slots
-    slot_ids = jnp.arange(s, dtype=jnp.int32)
     page_tables = state.page_tables.at[batch.write_slots, batch.write_index].set(
         batch.write_pages, mode="drop"
     )
@@ -290,26 +293,78 @@ def step(
 
     head = lambda h: constrained(compute_logits(params, h, model_cfg))  # [n, E] -> [n, V]
     logits = constrained(compute_logits(params, hidden[head_rows], model_cfg)[slot_row])  # [S, V]
-    new_tok, logprobs = sample(
-        logits, state.sampling, state.num_generated, prompt_mask, counts, token_bitmask
-    )
-    top = sampled_top_logprobs(logits, new_tok, batch.want_top_logprobs)
     prompt_top = prompt_top_logprobs(head, hidden[bd:], batch.prefill_targets, block_q)
 
     seq_lens = jnp.where(decode, state.seq_lens + 1, state.seq_lens)
     seq_lens = seq_lens.at[jnp.where(p_valid, p_slot, s)].max(p_pos + 1, mode="drop")
-    counts = counts.at[jnp.where(sampled, slot_ids, s), new_tok].add(1, mode="drop")
     new_state = state.replace(
         cache=cache,
         page_tables=page_tables,
-        tokens=jnp.where(sampled, new_tok, state.tokens),
         seq_lens=seq_lens,
-        num_generated=state.num_generated + sampled,
         prompt_mask=prompt_mask,
         output_counts=counts,
     )
-    out = StepOutput(new_tok, sampled, logprobs, top, prompt_top)
-    return new_state, out
+    return new_state, ForwardResult(logits, sampled, batch.want_top_logprobs, prompt_top)
+
+
+def step_sample(
+    state: EngineState,
+    fwd: ForwardResult,
+    token_bitmask: Int32[Array, "slots words"] | None = None,
+) -> tuple[EngineState, StepOutput]:
+    """Steps 4-5 of the module doc: sample one token for every slot of ``fwd.sampled``
+    (``token_bitmask``: the tokens each may take), advance the counters."""
+    s = state.max_slots
+    new_tok, logprobs = sample(
+        fwd.logits, state.sampling, state.num_generated, state.prompt_mask,
+        state.output_counts, token_bitmask,
+    )  # fmt: skip
+    top = sampled_top_logprobs(fwd.logits, new_tok, fwd.want_top)
+    slot_ids = jnp.arange(s, dtype=jnp.int32)
+    counts = state.output_counts.at[jnp.where(fwd.sampled, slot_ids, s), new_tok].add(
+        1, mode="drop"
+    )
+    new_state = state.replace(
+        tokens=jnp.where(fwd.sampled, new_tok, state.tokens),
+        num_generated=state.num_generated + fwd.sampled,
+        output_counts=counts,
+    )
+    return new_state, StepOutput(new_tok, fwd.sampled, logprobs, top, fwd.prompt_top)
+
+
+def step(
+    params: dict,
+    state: EngineState,
+    batch: StepBatch,
+    *,
+    token_bitmask: Int32[Array, "slots words"] | None = None,
+    **forward_kwargs,
+) -> tuple[EngineState, StepOutput]:
+    """One model pass over decode rows + prompt-chunk rows, then sampling (see module doc):
+    :func:`step_forward` then :func:`step_sample`, in one program.
+
+    ``token_bitmask``: the tokens each slot may sample (structured output; see
+    ``sampler.apply_bitmask``), None or all ones: any token. ``forward_kwargs``:
+    ``model_cfg``, ``block_q``, ``attn_impl``; ``attention`` and ``experts`` replace the model's
+    attention and MoE expert calls (tensor parallelism: per shard); ``logits_shardings``
+    (tensor parallelism): constrain the logits to each in turn — vocab-split as the LM head
+    makes them, then replicated — so only ``[slots, vocab]`` logits are gathered (never the LM
+    head) and the sampler runs whole rows on every shard."""
+    state, fwd = step_forward(params, state, batch, **forward_kwargs)
+    return step_sample(state, fwd, token_bitmask)
+
+
+def engine_forward(
+    params: dict,
+    state: EngineState,
+    release_mask: Bool[Array, " slots"],
+    ins: SlotInsert,
+    batch: StepBatch,
+    **forward_kwargs,
+) -> tuple[EngineState, ForwardResult]:
+    """:func:`engine_step` up to the sampling: release, insert, :func:`step_forward` (its
+    sampling is :func:`step_sample`, a program of its own: ``EngineConfig.structured_overlap``)."""
+    return step_forward(params, insert(release(state, release_mask), ins), batch, **forward_kwargs)
 
 
 def engine_step(

@@ -27,6 +27,7 @@ from jbatch.engine.core import engine_step, unpack_output
 from jbatch.engine.grammar import all_allowed
 from jbatch.engine.logprobs import HostTopLogprobs
 from jbatch.engine.precompile import compile_all
+from jbatch.engine.split_step import SplitPrograms
 from jbatch.engine.state import EngineState, init_state
 from jbatch.engine.step_input import StepInput, StepInputLayout, all_layouts
 from jbatch.models.config import ModelConfig
@@ -92,6 +93,8 @@ class EngineCore:
     def _jit_single(self, step_kwargs: dict) -> None:
         jit = lambda layout: jax.jit(self._packed_step(layout, **step_kwargs), donate_argnums=1)
         self._steps = {key: jit(layout) for key, layout in self.layouts.items()}
+        if self.cfg.structured_overlap:
+            self.split = SplitPrograms(self.layouts, step_kwargs)
         self._swap_out = jax.jit(swap.swap_out, donate_argnums=0)
         self._swap_in = jax.jit(swap.swap_in, donate_argnums=0)
         # The state lives committed on one device, so every program sees the same placement
@@ -102,6 +105,8 @@ class EngineCore:
         self.swapped_sharding = self.device
 
     def _jit_sharded(self, step_kwargs: dict) -> None:
+        if self.cfg.structured_overlap:
+            raise ValueError("structured_overlap runs on one device (tp = dp = 1)")
         from jbatch.parallel.attention import sharded_attention
         from jbatch.parallel.experts import sharded_experts
         from jbatch.parallel.sharding import param_shardings, replicated, state_shardings
@@ -166,16 +171,34 @@ class EngineCore:
         ``bitmask``: tokens each slot may sample (``grammar.GrammarCompiler.bitmask``; a fresh
         array per step), None: all."""
         key = _key_of(inp)
-        # Committed to the state's placement like the all-ones mask (one cache key: no compile).
-        mask = self._allow_all if bitmask is None else jax.device_put(bitmask, self.device)
-        state, packed = self._steps[key](params, state, inp.ints, inp.floats, mask)
+        state, packed = self._steps[key](params, state, inp.ints, inp.floats, self._mask(bitmask))
         self.programs_run[key] += 1
+        return state, self._dispatched_step(inp, packed)
+
+    def forward(self, params: dict, state: EngineState, inp: StepInput):
+        """Dispatch the forward half of a step (``split_step.py``; ``structured_overlap``)."""
+        key = _key_of(inp)
+        state, fwd = self.split.forward(key, params, state, inp)
+        self.programs_run[key] += 1
+        return state, (fwd, inp)
+
+    def sample(self, state: EngineState, forwarded, bitmask=None) -> tuple[EngineState, _Pending]:
+        """Dispatch the sampling half of a step whose :meth:`forward` was dispatched."""
+        fwd, inp = forwarded
+        state, packed = self.split.sample(state, fwd, self._mask(bitmask))
+        return state, self._dispatched_step(inp, packed)
+
+    def _mask(self, bitmask):
+        # Committed to the state's placement like the all-ones mask (one cache key: no compile).
+        return self._allow_all if bitmask is None else jax.device_put(bitmask, self.device)
+
+    def _dispatched_step(self, inp: StepInput, packed) -> _Pending:
         self._used_inputs.append((self._dispatched, inp))
         self._dispatched += 1
         # The host reads one copy of the replicated result (with several processes: its own).
         local = packed.addressable_shards[0].data if self._multiprocess else packed
         local.copy_to_host_async()
-        return state, _Pending(self._dispatched - 1, packed, local)
+        return _Pending(self._dispatched - 1, packed, local)
 
     def fetch(self, pending: _Pending) -> StepResult:
         """Wait for a dispatched step's results."""
@@ -235,6 +258,11 @@ class EngineCore:
             inp.release[:] = True  # retire every slot: warm-up leaves none active
             state, pending = self.step(params, state, inp)
             self.fetch(pending)
+            if self.cfg.structured_overlap:  # the same step as two programs
+                inp = self.new_input(rows, decode_rows)
+                inp.release[:] = True
+                state, pending = self.sample(*self.forward(params, state, inp))
+                self.fetch(pending)
         self.programs_run.clear()
         return state
 

@@ -20,7 +20,9 @@ dropped: the cost of overlap is at most one wasted row per finishing sequence.
 Structured output (``engine/grammar.py``): when step N-1 sampled for a running request with a
 grammar, step N is planned and packed, then step N-1's tokens are read and fed to the grammar
 matchers, then step N's token bitmask is filled and step N is dispatched; step N-1's text and
-stop checks are done after that dispatch, as usual.
+stop checks are done after that dispatch, as usual. With ``structured_overlap`` step N's
+forward is dispatched *before* waiting for step N-1, and its sampling after the mask is filled
+(``engine/split_step.py``): the device runs the forward meanwhile.
 """
 
 from __future__ import annotations
@@ -255,7 +257,8 @@ class LLMEngine:
                 self.counters["constrained_steps"] += 1
 
         sched = self.scheduler.schedule()
-        dispatched = self._dispatch(sched, feed_grammars)
+        split = lockstep and self.cfg.structured_overlap
+        dispatched = self._dispatch(sched, feed_grammars, split)
         feed_grammars()  # if nothing was dispatched
         outputs += self._process_result(*early[0]) if early else []
         keep = 1 if (dispatched and self.cfg.async_scheduling) else 0
@@ -267,7 +270,9 @@ class LLMEngine:
             self.scheduler.check_invariants()
         return outputs
 
-    def _dispatch(self, sched: SchedulerOutput, before_step=lambda: None) -> bool:
+    def _dispatch(
+        self, sched: SchedulerOutput, before_step=lambda: None, split: bool = False
+    ) -> bool:
         """Device order: swap-outs (before any reuse of their slots and pages), then the one
         step program (releases, inserts, the model step), then swap-ins (a swapped-in request
         takes part from the next step on). Returns whether the step had model work."""
@@ -282,8 +287,13 @@ class LLMEngine:
         # must land before a swap-in reuses their slot; inserts go out now.
         if work or sched.inserts or (sched.releases and sched.swap_ins):
             inp = batch_builder.build_step_input(self.cfg, core, sched)
-            before_step()
-            self.state, handle = core.step(self.params, self.state, inp, self._bitmask(sched))
+            if split:  # the forward runs while the previous tokens reach the grammars
+                self.state, forwarded = core.forward(self.params, self.state, inp)
+                before_step()
+                self.state, handle = core.sample(self.state, forwarded, self._bitmask(sched))
+            else:
+                before_step()
+                self.state, handle = core.step(self.params, self.state, inp, self._bitmask(sched))
             self._inflight.append((sched, handle))
             counters["dispatches"] += 1
         elif sched.releases:
