@@ -64,7 +64,7 @@ _COUNTERS = (
 
 def _constrained(sched: SchedulerOutput) -> bool:
     """Whether a step sampled for a running structured-output request."""
-    return any(seq.matcher is not None and not seq.finished for seq, _ in sched.samplers)
+    return any(seq.constrained for seq, _ in sched.samplers)
 
 
 class LLMEngine:
@@ -315,11 +315,7 @@ class LLMEngine:
 
     def _bitmask(self, sched: SchedulerOutput) -> np.ndarray | None:
         """The step's token bitmask, None when no constrained request samples in it."""
-        rows = [
-            (seq.matcher, slot)
-            for seq, slot in sched.samplers
-            if seq.matcher is not None and not seq.finished
-        ]
+        rows = [(seq.matcher, slot) for seq, slot in sched.samplers if seq.constrained]
         if not rows:
             return None
         t0 = time.perf_counter()
@@ -348,7 +344,7 @@ class LLMEngine:
         (``id(request) -> (finish_reason, error)``)."""
         ends = {}
         for seq, slot in sched.samplers:
-            if seq.matcher is not None and not seq.finished:
+            if seq.constrained:
                 end = grammar.advance(seq.matcher, int(tokens[slot]))
                 if end is not None:
                     ends[id(seq)] = end

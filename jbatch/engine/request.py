@@ -93,6 +93,11 @@ class Request:
         return self.params.uses_penalties
 
     @property
+    def constrained(self) -> bool:
+        """A running structured-output request: its grammar matcher masks what it samples."""
+        return self.matcher is not None and not self.finished
+
+    @property
     def prefilling(self) -> bool:
         return self.num_computed < len(self.prefill_ids)
 

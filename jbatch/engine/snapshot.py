@@ -49,7 +49,8 @@ def save(engine: LLMEngine, directory: str | Path) -> list[RequestOutput]:
         raise ValueError(f"snapshot directory {directory} already exists")
     outputs = engine.drain()
     directory.mkdir(parents=True)
-    if _on_device(engine):
+    on_device = _on_device(engine)
+    if on_device:
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save(directory / "state", engine.state)
     records = {
@@ -58,7 +59,7 @@ def save(engine: LLMEngine, directory: str | Path) -> list[RequestOutput]:
         "parents": engine.parents,  # n > 1: their children are request records too
         "counters": engine.counters,
         "next_id": _peek(engine),
-        "state": None if _on_device(engine) else engine.state,
+        "state": None if on_device else engine.state,
     }
     with _detached(engine):
         (directory / "host.pkl").write_bytes(pickle.dumps(records))
