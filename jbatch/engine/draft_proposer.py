@@ -1,0 +1,203 @@
+"""The draft-model proposer of speculative decoding: pure, jit-able functions over a draft KV pool.
+
+The draft keeps its own pool beside the target's: the same page ids and page tables (the
+scheduler allocates pages once), a separate :class:`KVCache` of the draft's shape. The pool stays
+valid because the draft runs over every token the target computes:
+
+* every prefill / mixed step program runs :func:`draft_forward` over its flat token buffer (the
+  draft's hidden states are discarded: XLA drops its final norm and there is no LM head);
+* the spec step program runs :func:`propose` first. Its ``K + 1`` one-row-per-group decodes
+  write the draft's K/V of exactly the rows the target then verifies (the slot's last token at
+  ``seq_lens`` and the drafts at ``seq_lens + 1 .. seq_lens + K``), so that program needs no
+  ``draft_forward``. Rejected positions hold stale K/V in both pools and are overwritten later,
+  the same rule for both.
+
+So at page id ``p`` the draft pool holds the draft's K/V of the same tokens the target pool holds
+at ``p`` (prefix-cache hits and swaps included, as long as swaps copy both pools).
+
+Proposals follow the request's sampling settings (temperature, top-k, top-p, min-p through
+:func:`jbatch.engine.sampler.filtered_logits`; penalties and structured-output masks are not
+applied to the draft — rejection sampling stays exact for any draft distribution, they only
+lower acceptance). Greedy rows take the argmax and report a one-hot ``q``. Draft draw ``i`` of a
+request uses the uniform of ``fold_in(fold_in(key(seed), num_generated + i), DRAFT_STREAM)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, Int32
+
+from jbatch.converted import load_weights
+from jbatch.engine.config import EngineConfig
+from jbatch.engine.sampler import SlotSampling, _inverse_cdf, argmax, filtered_logits
+from jbatch.models.config import ModelConfig
+from jbatch.models.kv_cache import KVCache
+from jbatch.models.llama import compute_logits, forward, unstack_layers
+from jbatch.sampling_params import is_greedy
+from jbatch.tokenizer import Tokenizer
+
+DRAFT_STREAM = 2  # fold_in stream of draft draws (the verifier's residual draws use 1)
+
+
+def draft_forward(
+    draft_params: dict,
+    draft_cfg: ModelConfig,
+    draft_cache: KVCache,
+    tokens: Int[Array, " t"],
+    positions: Int[Array, " t"],
+    slots: Int[Array, " t"],
+    page_tables: Int[Array, "slots max_pages"],
+    *,
+    num_decode: int,
+    block_q: int = 1,
+    attn_impl: str = "auto",
+) -> KVCache:
+    """The draft model over a step's flat token buffer (the target's layout); returns its pool."""
+    _, cache = forward(
+        draft_params, draft_cfg, draft_cache, tokens, positions, slots, page_tables,
+        num_decode=num_decode, block_q=block_q, attn_impl=attn_impl,
+    )  # fmt: skip
+    return cache
+
+
+def _uniforms(seed, step_index: Int32[Array, " g"]) -> Float[Array, " g"]:
+    def one(s, i):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(s), i), DRAFT_STREAM)
+        return jax.random.uniform(key)
+
+    return jax.vmap(one)(seed, step_index)
+
+
+def _draw(
+    logits: Float[Array, "g vocab"],
+    sampling: SlotSampling,
+    step_index: Int32[Array, " g"],
+) -> tuple[Int32[Array, " g"], Float[Array, "g vocab"]]:
+    """One draft token per group and the distribution ``q`` it was drawn from."""
+    greedy = is_greedy(sampling.temperature)  # [G]
+    top = argmax(logits)  # [G]
+    one_hot = jax.nn.one_hot(top, logits.shape[-1], dtype=jnp.float32)  # [G, V]
+
+    def sampled():
+        masked = filtered_logits(logits, sampling, greedy)  # [G, V]
+        tok = _inverse_cdf(masked, _uniforms(sampling.seed, step_index))  # [G]
+        q = jax.nn.softmax(masked, axis=-1)  # [G, V]
+        return jnp.where(greedy, top, tok), jnp.where(greedy[:, None], one_hot, q)
+
+    return jax.lax.cond(jnp.all(greedy), lambda: (top, one_hot), sampled)
+
+
+def propose(
+    draft_params: dict,
+    draft_cfg: ModelConfig,
+    draft_cache: KVCache,
+    last_tokens: Int[Array, " g"],
+    positions: Int[Array, " g"],
+    slots: Int[Array, " g"],
+    page_tables: Int[Array, "slots max_pages"],
+    sampling: SlotSampling,
+    step_index: Int32[Array, " g"],
+    *,
+    num_tokens: int,
+    block_q: int = 1,
+    attn_impl: str = "auto",
+) -> tuple[KVCache, Int32[Array, "g k"], Float[Array, "g k vocab"]]:
+    """``num_tokens`` (K) draft tokens per group, from its last token at ``positions``.
+
+    Iteration ``i`` (0..K) decodes ``x_i`` at ``positions + i`` (``x_0 = last_tokens``,
+    ``x_i = d_i``) for every group at once, writing its K/V; iterations ``i < K`` draw
+    ``d_{i+1}`` under the group's ``sampling`` (gathered per group) with RNG counter
+    ``step_index + i``. Groups at position -1 are padding: they write nothing and return token 0
+    and ``q = 0``; rows past the page table's capacity are not written either.
+    Returns (draft pool, drafts ``[G, K]``, their distributions ``q`` ``[G, K, V]`` float32).
+    """
+    g, k, vocab = last_tokens.shape[0], num_tokens, draft_cfg.vocab_size
+    max_len = page_tables.shape[1] * draft_cache.page_size
+    valid = positions >= 0  # [G]
+    row_pos = lambda i: jnp.where(valid & (positions + i < max_len), positions + i, -1)
+    fwd = lambda cache, tok, i: forward(
+        draft_params, draft_cfg, cache, tok, row_pos(i), slots, page_tables,
+        num_decode=g, block_q=block_q, attn_impl=attn_impl,
+    )  # fmt: skip
+
+    def body(i, carry):
+        cache, tok, drafts, probs = carry
+        hidden, cache = fwd(cache, tok, i)
+        logits = compute_logits(draft_params, hidden, draft_cfg)  # [G, V] float32
+        tok, q = _draw(logits, sampling, step_index + i)
+        drafts = jax.lax.dynamic_update_slice(drafts, tok[:, None], (0, i))
+        probs = jax.lax.dynamic_update_slice(probs, q[:, None], (0, i, 0))
+        return cache, tok, drafts, probs
+
+    init = (
+        draft_cache,
+        last_tokens.astype(jnp.int32),
+        jnp.zeros((g, k), jnp.int32),
+        jnp.zeros((g, k, vocab), jnp.float32),
+    )
+    cache, last, drafts, probs = jax.lax.fori_loop(0, k, body, init)
+    _, cache = fwd(cache, last, k)  # d_K's K/V; its own proposal would be discarded
+    drafts = jnp.where(valid[:, None], drafts, 0)
+    probs = jnp.where(valid[:, None, None], probs, 0.0)
+    return cache, drafts, probs
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModel:
+    """A loaded draft checkpoint: its config and params (the engine's layout)."""
+
+    cfg: ModelConfig
+    params: dict
+
+    def init_cache(self, config: EngineConfig) -> KVCache:
+        """A zeroed draft pool with the target pool's pages (``config``: resolved sizes)."""
+        return KVCache.zeros(
+            self.cfg, config.num_pages, config.page_size, config.kv_storage_dtype,
+            config.tpu_kv_layout,
+        )  # fmt: skip
+
+
+def check_draft(
+    draft_cfg: ModelConfig,
+    target_cfg: ModelConfig,
+    draft_tokenizer: Tokenizer | None = None,
+    target_tokenizer: Tokenizer | None = None,
+) -> None:
+    """A draft must propose the target's token ids: same vocabulary size, and the same
+    tokenizer vocabulary when both checkpoints ship one (ValueError otherwise)."""
+    if draft_cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(
+            f"draft model vocab_size={draft_cfg.vocab_size} differs from the target's "
+            f"vocab_size={target_cfg.vocab_size}; a draft must share the target's vocabulary"
+        )
+    if draft_tokenizer is None or target_tokenizer is None:
+        return
+    vocab = lambda t: t.backend.get_vocab(with_added_tokens=True)
+    if vocab(draft_tokenizer) != vocab(target_tokenizer):
+        raise ValueError(
+            f"draft tokenizer ({draft_tokenizer.vocab_size} tokens) does not match the target's "
+            f"({target_tokenizer.vocab_size} tokens): a draft must use the target's tokenizer"
+        )
+
+
+def load_draft(
+    draft_dir: str | Path,
+    target_cfg: ModelConfig,
+    config: EngineConfig,
+    target_tokenizer: Tokenizer | None = None,
+) -> DraftModel:
+    """Load a draft checkpoint with the target's loader and engine dtype (checked by
+    :func:`check_draft` before any weight is read)."""
+    draft_dir = Path(draft_dir)
+    if not draft_dir.is_dir():
+        raise FileNotFoundError(f"{draft_dir}: draft model directory not found")
+    if config.tp * config.dp > 1:
+        raise ValueError(f"a draft model runs on one device, not tp={config.tp} dp={config.dp}")
+    cfg = ModelConfig.from_file(draft_dir / "config.json")
+    check_draft(cfg, target_cfg, Tokenizer.from_dir(draft_dir), target_tokenizer)
+    params = load_weights(draft_dir, cfg, config)
+    return DraftModel(cfg, unstack_layers(params))
