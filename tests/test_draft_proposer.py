@@ -157,7 +157,8 @@ def test_sampled_proposals_are_seeded_and_q_is_a_distribution(pair, greedy):
     _, d, _ = run_propose(pair, group_sampling(**SAMPLED), np.full(len(GROUP_SLOTS), 5, np.int32))
     assert (a[[0, 3]] != d[[0, 3]]).any(), "another RNG counter drew the same drafts"
 
-    np.testing.assert_array_equal(a[2], greedy[1][2])  # the greedy group is unaffected
+    np.testing.assert_array_equal(a[2], greedy[1][2])  # the greedy group: argmax, one-hot q
+    np.testing.assert_array_equal(qa[2], np.eye(qa.shape[-1])[a[2]])
     assert (qa[1] == 0).all() and (a[1] == 0).all()  # padding group
     for g in (0, 2, 3):
         np.testing.assert_allclose(qa[g].sum(-1), 1.0, rtol=1e-5)
@@ -183,3 +184,18 @@ def test_draft_must_share_the_vocabulary(pair, tmp_path):
     with pytest.raises(ValueError, match="tokenizer"):
         load_draft(other_tok, draft.cfg, engine_cfg(), Tokenizer.from_dir(path))
     load_draft(path, draft.cfg, engine_cfg(), Tokenizer.from_dir(path))  # the same one loads
+
+
+def test_draft_draws_use_stream_2_of_the_requests_counter(pair):
+    """Draw i of a group is the inverse CDF of its q at the uniform of
+    fold_in(fold_in(key(seed), step_index + i), 2)."""
+    steps = np.array([3, 0, 0, 9], np.int32)
+    _, drafts, q = run_propose(pair, group_sampling(**SAMPLED), steps)
+    for g in (0, 3):
+        for i in range(K):
+            key = jax.random.fold_in(jax.random.key(SAMPLED["seed"][g]), steps[g] + i)
+            u = float(jax.random.uniform(jax.random.fold_in(key, 2)))
+            cdf = np.cumsum(q[g, i], dtype=np.float64)
+            assert drafts[g, i] == min(
+                np.searchsorted(cdf, u * cdf[-1], side="right"), len(cdf) - 1
+            )
