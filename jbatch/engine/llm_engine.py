@@ -381,7 +381,8 @@ class LLMEngine:
             done, new = None, 0
             for token, logprob in toks:  # several after a speculative step
                 if seq.params.logprobs is not None:  # (such requests never speculate)
-                    logprob_host.read_token(seq, slot, token, logprob, result.top, self._token_texts)
+                    lp = (token, logprob, result.top, self._token_texts)
+                    logprob_host.read_token(seq, slot, *lp)
                 done, new = stop_checker.append_token(seq, token, logprob), new + 1
                 if done is not None:
                     break

@@ -1,9 +1,10 @@
 """N-gram (prompt lookup) proposals for speculative decoding: host-side numpy.
 
 For a request whose stream (prompt + outputs) ends in tokens ``t[-n:]``, find the latest
-earlier place where the same ``n`` tokens occur and propose the (up to) ``k`` tokens that
-followed them there (the latest such place with ``k`` tokens after it, if any), trying ``n = ngram_max`` down to ``ngram_min``. Outputs that copy spans of
-their prompt (edits, code refactors, quoting, extraction) are proposed correctly, run after run.
+earlier place where the same ``n`` tokens occur (the latest with ``k`` tokens after it, if
+any) and propose the (up to) ``k`` tokens that followed them there, trying ``n = ngram_max``
+down to ``ngram_min``. Outputs that copy spans of their prompt (edits, code refactors,
+quoting, extraction) are proposed correctly, run after run.
 
 Cost: one vectorized comparison of the stream against its tail per tried ``n`` — O(context)
 per request and step, with the stream kept in a growing numpy buffer (amortised O(1) per new
@@ -38,9 +39,7 @@ class TokenStream:
         return self._buf[: self.size]
 
 
-def propose(
-    stream: Int32[np.ndarray, " n"], k: int, ngram_min: int, ngram_max: int
-) -> list[int]:
+def propose(stream: Int32[np.ndarray, " n"], k: int, ngram_min: int, ngram_max: int) -> list[int]:
     """Up to ``k`` proposed next tokens for ``stream`` (module doc); [] when no n-gram recurs."""
     size = len(stream)
     if k <= 0:

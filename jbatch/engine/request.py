@@ -105,7 +105,8 @@ class Request:
         nothing it samples depends on the previous token on the host or the device (a grammar,
         penalties) or asks for more than one row's top logprobs."""
         p = self.params
-        return p.speculative and self.matcher is None and not p.uses_penalties and p.logprobs is None
+        plain = self.matcher is None and not p.uses_penalties and p.logprobs is None
+        return p.speculative and plain
 
     @property
     def prefilling(self) -> bool:
