@@ -33,14 +33,13 @@ from jaxtyping import Array, Float, Int, Int32
 
 from jbatch.converted import load_weights
 from jbatch.engine.config import EngineConfig
-from jbatch.engine.sampler import SlotSampling, _inverse_cdf, argmax, filtered_logits
+from jbatch.engine.sampler import SlotSampling, argmax, filtered_logits, inverse_cdf, uniforms
+from jbatch.engine.spec_verify import DRAFT_STREAM
 from jbatch.models.config import ModelConfig
 from jbatch.models.kv_cache import KVCache
 from jbatch.models.llama import compute_logits, forward, unstack_layers
 from jbatch.sampling_params import is_greedy
 from jbatch.tokenizer import Tokenizer
-
-DRAFT_STREAM = 2  # fold_in stream of draft draws (the verifier's residual draws use 1)
 
 
 def draft_forward(
@@ -64,14 +63,6 @@ def draft_forward(
     return cache
 
 
-def _uniforms(seed, step_index: Int32[Array, " g"]) -> Float[Array, " g"]:
-    def one(s, i):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(s), i), DRAFT_STREAM)
-        return jax.random.uniform(key)
-
-    return jax.vmap(one)(seed, step_index)
-
-
 def _draw(
     logits: Float[Array, "g vocab"],
     sampling: SlotSampling,
@@ -84,7 +75,7 @@ def _draw(
 
     def sampled():
         masked = filtered_logits(logits, sampling, greedy)  # [G, V]
-        tok = _inverse_cdf(masked, _uniforms(sampling.seed, step_index))  # [G]
+        tok = inverse_cdf(masked, uniforms(sampling.seed, step_index, DRAFT_STREAM))  # [G]
         q = jax.nn.softmax(masked, axis=-1)  # [G, V]
         return jnp.where(greedy, top, tok), jnp.where(greedy[:, None], one_hot, q)
 
