@@ -16,7 +16,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *KV_STORAGE_DTYPES)  # "auto": the model dtype
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 SCHEDULING_POLICIES = ("priority", "fcfs", "fair")
-SPECULATIVE_METHODS = (None, "ngram")
+SPECULATIVE_METHODS = (None, "ngram", "draft")
 
 
 def default_dtype() -> str:
@@ -71,7 +71,10 @@ class EngineConfig:
         lookup: propose the tokens that followed the latest earlier occurrence of the
         context's last ``ngram_max``..``ngram_min`` tokens; ``engine/ngram_proposer.py``).
         Verification is exact: greedy output is unchanged, sampled output keeps its
-        distribution. One device (tp = dp = 1).
+        distribution. One device (tp = dp = 1). "draft": a small draft model
+        (``speculative_model``) proposes on the device (``engine/draft_proposer.py``).
+    speculative_model: the draft model's checkpoint folder (same tokenizer and vocabulary as
+        the target); giving it alone sets ``speculative="draft"``.
     num_speculative_tokens: proposals verified per slot and step (K: K + 1 rows per slot).
     speculative_max_batch: speculate only while at most this many requests decode (above it
         a step costs more rows than speculation saves); also the largest group bucket.
@@ -101,6 +104,7 @@ class EngineConfig:
     quantization: str | None = None
     quantize_lm_head: bool = False
     speculative: str | None = None
+    speculative_model: str | None = None
     num_speculative_tokens: int = 4
     speculative_max_batch: int = 4
     ngram_min: int = 2
@@ -177,6 +181,14 @@ class EngineConfig:
             )
 
     def _check_speculative(self) -> None:
+        if self.speculative_model is not None and self.speculative is None:
+            object.__setattr__(self, "speculative", "draft")
+        if (self.speculative == "draft") != (self.speculative_model is not None):
+            raise ValueError(
+                f"speculative='draft' needs speculative_model and speculative_model needs it "
+                f"(got speculative={self.speculative!r}, "
+                f"speculative_model={self.speculative_model!r})"
+            )
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}"

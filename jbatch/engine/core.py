@@ -26,6 +26,7 @@ from jaxtyping import Array, Bool, Float, Int32, Shaped
 
 from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
+from jbatch.engine.draft_proposer import step_draft_cache
 from jbatch.engine.logprobs import TopLogprobs, pack, prompt_top_logprobs, sampled_top_logprobs
 from jbatch.engine.logprobs import unpack as unpack_logprobs
 from jbatch.engine.sampler import SlotSampling, sample
@@ -231,10 +232,12 @@ def step_forward(
     logits_shardings: tuple[jax.sharding.Sharding, ...] = (),
     attention=None,
     experts=None,
+    draft_cfg: ModelConfig | None = None,
 ) -> tuple[EngineState, ForwardResult]:
     """Steps 1-3 of the module doc and the lengths of step 5: everything of a step that does
     not depend on the tokens it samples (``attention``, ``experts``, ``logits_shardings``: see
-    :func:`step`)."""
+    :func:`step`; ``draft_cfg``: a draft model runs over the same token buffer, its params are
+    ``params["draft"]``, ``draft_proposer.step_draft_cache``)."""
     s = state.max_slots
     page_tables = state.page_tables.at[batch.write_slots, batch.write_index].set(
         batch.write_pages, mode="drop"
@@ -264,6 +267,10 @@ def step_forward(
         attention=attention,
         experts=experts,
     )
+    draft_cache = step_draft_cache(
+        params, draft_cfg, state, tokens, positions, slots, page_tables,
+        num_decode=bd, block_q=block_q, attn_impl=attn_impl,
+    )  # fmt: skip
 
     # Penalty statistics: prompt rows mark the prompt mask, re-fed outputs (resume) count.
     vocab = state.prompt_mask.shape[1]
@@ -299,6 +306,7 @@ def step_forward(
     seq_lens = seq_lens.at[jnp.where(p_valid, p_slot, s)].max(p_pos + 1, mode="drop")
     new_state = state.replace(
         cache=cache,
+        draft_cache=draft_cache,
         page_tables=page_tables,
         seq_lens=seq_lens,
         prompt_mask=prompt_mask,

@@ -29,17 +29,20 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, Int32
+from jaxtyping import Array, Bool, Float, Int, Int32
 
 from jbatch.converted import load_weights
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.sampler import SlotSampling, argmax, filtered_logits, inverse_cdf, uniforms
 from jbatch.engine.spec_verify import DRAFT_STREAM
+from jbatch.engine.state import EngineState
 from jbatch.models.config import ModelConfig
 from jbatch.models.kv_cache import KVCache
 from jbatch.models.llama import compute_logits, forward, unstack_layers
 from jbatch.sampling_params import is_greedy
 from jbatch.tokenizer import Tokenizer
+
+DRAFT_PARAMS = "draft"  # the draft model's params, as an entry of the engine's params dict
 
 
 def draft_forward(
@@ -137,19 +140,57 @@ def propose(
     return cache, drafts, probs
 
 
+def step_draft_cache(
+    params: dict,
+    draft_cfg: ModelConfig | None,
+    state: EngineState,
+    tokens: Int[Array, " t"],
+    positions: Int[Array, " t"],
+    slots: Int[Array, " t"],
+    page_tables: Int[Array, "slots max_pages"],
+    **forward_kwargs,
+) -> KVCache | None:
+    """An ordinary step's hook (``core.step_forward``): the draft over the step's token buffer,
+    or no pool at all without a draft (``forward_kwargs``: ``num_decode``, ``block_q``,
+    ``attn_impl``)."""
+    if draft_cfg is None:
+        return state.draft_cache
+    return draft_forward(
+        params[DRAFT_PARAMS], draft_cfg, state.draft_cache, tokens, positions, slots,
+        page_tables, **forward_kwargs,
+    )  # fmt: skip
+
+
+def spec_drafts(
+    params: dict,
+    draft_cfg: ModelConfig,
+    state: EngineState,
+    group_slots: Int32[Array, " g"],
+    live: Bool[Array, " g"],
+    page_tables: Int[Array, "slots max_pages"],
+    sampling: SlotSampling,
+    *,
+    num_tokens: int,
+    block_q: int = 1,
+    attn_impl: str = "auto",
+) -> tuple[KVCache, Int32[Array, "g k"], Float[Array, "g k vocab"]]:
+    """The speculative step's hook (``spec_step.spec_step``): :func:`propose` from each live
+    group's last token at ``seq_lens`` (other groups are padding). Every live group's rows are
+    written, also those of groups the host gave fewer proposals: row 0 is always verified."""
+    positions = jnp.where(live, state.seq_lens[group_slots], -1)
+    return propose(
+        params[DRAFT_PARAMS], draft_cfg, state.draft_cache, state.tokens[group_slots], positions,
+        group_slots, page_tables, sampling, state.num_generated[group_slots],
+        num_tokens=num_tokens, block_q=block_q, attn_impl=attn_impl,
+    )  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftModel:
     """A loaded draft checkpoint: its config and params (the engine's layout)."""
 
     cfg: ModelConfig
     params: dict
-
-    def init_cache(self, config: EngineConfig) -> KVCache:
-        """A zeroed draft pool with the target pool's pages (``config``: resolved sizes)."""
-        return KVCache.zeros(
-            self.cfg, config.num_pages, config.page_size, config.kv_storage_dtype,
-            config.tpu_kv_layout,
-        )  # fmt: skip
 
 
 def check_draft(

@@ -63,6 +63,7 @@ class EngineCore:
     model_cfg: ModelConfig
     cfg: EngineConfig
     mesh: Mesh | None = None
+    draft_cfg: ModelConfig | None = None  # speculative decoding with a draft model
 
     def __post_init__(self):
         self.host = jax.devices("cpu")[0]
@@ -78,6 +79,8 @@ class EngineCore:
         step_kwargs = dict(
             model_cfg=self.model_cfg, block_q=self.cfg.block_q, attn_impl=self.cfg.attn_impl
         )
+        if self.draft_cfg is not None:  # every step program also runs the draft
+            step_kwargs["draft_cfg"] = self.draft_cfg
         if self.mesh is not None:
             self._jit_sharded(step_kwargs)
         else:
@@ -119,7 +122,9 @@ class EngineCore:
         # (a placement change would be a new cache key: a recompile). Swapped-out sequences
         # wait in host RAM.
         self.device = jax.devices()[0]
-        self._init = lambda: jax.device_put(init_state(self.model_cfg, self.cfg), self.device)
+        self._init = lambda: jax.device_put(
+            init_state(self.model_cfg, self.cfg, self.draft_cfg), self.device
+        )
         self.swapped_sharding = self.device
 
     def _jit_sharded(self, step_kwargs: dict) -> None:

@@ -39,6 +39,7 @@ import numpy as np
 
 from jbatch.engine import batch_builder, grammar, logprob_host, snapshot, speculator, stop_checker
 from jbatch.engine.config import EngineConfig
+from jbatch.engine.draft_proposer import DRAFT_PARAMS, load_draft
 from jbatch.engine.engine_core import EngineCore
 from jbatch.engine.interface import EngineStats, StepFailed
 from jbatch.engine.parent_request import ParentRequest, merge_outputs, whole_families
@@ -86,10 +87,16 @@ class LLMEngine:
         cfg = resolve(cfg, model_cfg)
         self.model_cfg, self.cfg, self.tokenizer = model_cfg, cfg, tokenizer
         self.eos_ids = frozenset(eos_token_ids)
-        self.core = EngineCore(model_cfg, cfg) if core is None else core
+        draft = None
+        if cfg.speculative == "draft" and core is None:  # engine/draft_proposer.py
+            draft = load_draft(cfg.speculative_model, model_cfg, cfg, tokenizer)
+        draft_cfg = None if draft is None else draft.cfg
+        self.core = EngineCore(model_cfg, cfg, draft_cfg=draft_cfg) if core is None else core
         if params is not None and getattr(self.core, "mesh", None) is None:
             params = ensure_quantized(params, cfg.weight_quant)  # if loaded as floats
             params = unstack_layers(params)  # one device: per-layer arrays, read in place
+        if draft is not None:
+            params = {**params, DRAFT_PARAMS: draft.params}
         self.params = params
         self.state = self.core.init_state()
         self._swap_compiled = cfg.preemption_mode != "recompute"

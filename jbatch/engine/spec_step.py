@@ -32,6 +32,7 @@ from jaxtyping import Array, Bool, Float, Int32
 from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import StepOutput, insert, release
+from jbatch.engine.draft_proposer import spec_drafts
 from jbatch.engine.logprobs import TopLogprobs, sampled_top_logprobs
 from jbatch.engine.sampler import processed_logits
 from jbatch.engine.spec_verify import emitted_logprobs, verify
@@ -87,8 +88,10 @@ def spec_step(
     model_cfg: ModelConfig,
     block_q: int,
     attn_impl: str = "auto",
+    draft_cfg: ModelConfig | None = None,
 ) -> tuple[EngineState, StepOutput, SpecOutput]:
-    """One speculative step (module doc)."""
+    """One speculative step (module doc); ``draft_cfg``: a draft model proposes on the device
+    instead of the host's ``draft_tokens`` (``draft_proposer.spec_drafts``)."""
     s = state.max_slots
     g, k = batch.draft_tokens.shape
     k1 = k + 1
@@ -101,7 +104,14 @@ def spec_step(
     num_drafts = jnp.where(live, jnp.clip(batch.num_drafts, 0, k), 0)  # [G]
     j = jnp.arange(k1, dtype=jnp.int32)[None, :]  # [1, K1]
     rows_on = live[:, None] & (j <= num_drafts[:, None])  # [G, K1]
-    tokens = jnp.concatenate([state.tokens[gs_c][:, None], batch.draft_tokens], axis=1)
+    sp = jax.tree.map(lambda a: a[gs_c], state.sampling)
+    drafts, draft_probs, draft_cache = batch.draft_tokens, None, state.draft_cache
+    if draft_cfg is not None:
+        draft_cache, drafts, draft_probs = spec_drafts(
+            params, draft_cfg, state, gs_c, live, page_tables, sp, num_tokens=k,
+            block_q=block_q, attn_impl=attn_impl,
+        )  # fmt: skip
+    tokens = jnp.concatenate([state.tokens[gs_c][:, None], drafts], axis=1)
     positions = jnp.where(rows_on, state.seq_lens[gs_c][:, None] + j, -1)  # [G, K1]
     slots = jnp.broadcast_to(gs_c[:, None], (g, k1))
     hidden, cache = forward(
@@ -110,13 +120,12 @@ def spec_step(
     )  # fmt: skip
     logits = compute_logits(params, hidden, model_cfg).reshape(g, k1, -1)  # [G, K1, V]
 
-    sp = jax.tree.map(lambda a: a[gs_c], state.sampling)
     allowed = None if token_bitmask is None else token_bitmask[gs_c]
     row0 = processed_logits(
         logits[:, 0], sp, state.prompt_mask[gs_c], state.output_counts[gs_c], allowed
     )  # [G, V]
     x = logits.at[:, 0].set(row0)
-    emitted, count = verify(x, batch.draft_tokens, num_drafts, sp, state.num_generated[gs_c])
+    emitted, count = verify(x, drafts, num_drafts, sp, state.num_generated[gs_c], draft_probs)
     count = jnp.where(live, count, 0)  # [G]
     logprobs = emitted_logprobs(logits, emitted)  # [G, K1]
 
@@ -130,6 +139,7 @@ def spec_step(
     )
     new_state = state.replace(
         cache=cache,
+        draft_cache=draft_cache,
         page_tables=page_tables,
         tokens=state.tokens.at[target].set(last, mode="drop"),
         seq_lens=state.seq_lens + advance,

@@ -47,6 +47,8 @@ class Speculator:
         """Up to ``k`` proposals for ``seq`` (none for a request that does not speculate)."""
         if not seq.speculates:
             return []
+        if self.cfg.speculative == "draft":  # placeholders: the draft proposes on the device
+            return [0] * k
         if seq.token_stream is None:
             seq.token_stream = ngram_proposer.TokenStream(seq.prompt_ids)
         stream = seq.token_stream.sync(seq.output_ids, len(seq.prompt_ids))

@@ -32,6 +32,9 @@ class EngineState:
     sampling: SlotSampling  # per-slot temperature, top-k/p, min-p, penalties, seed
     prompt_mask: Bool[Array, "slots vocab"]  # tokens seen in the prompt (repetition penalty)
     output_counts: Int32[Array, "slots vocab"]  # generated-token counts (presence/frequency)
+    # Speculative decoding with a draft model: its own pool beside ``cache`` (same pages and
+    # page tables, the draft's shape; ``engine/draft_proposer.py``). None without a draft.
+    draft_cache: KVCache | None = None
 
     @property
     def max_slots(self) -> int:
@@ -53,14 +56,19 @@ def decodes(active, seq_lens, prefill_lens, num_generated, max_tokens, max_len):
     return active & (seq_lens >= prefill_lens) & (num_generated < max_tokens) & (seq_lens < max_len)
 
 
-def init_state(model_cfg: ModelConfig, cfg: EngineConfig) -> EngineState:
-    """A fresh state: empty slots and a zeroed KV pool (finite values only, never NaN)."""
+def init_state(
+    model_cfg: ModelConfig, cfg: EngineConfig, draft_cfg: ModelConfig | None = None
+) -> EngineState:
+    """A fresh state: empty slots and a zeroed KV pool (finite values only, never NaN); with
+    ``draft_cfg``, a zeroed draft pool too."""
     s = cfg.max_slots
     zeros = lambda: jnp.zeros((s,), jnp.int32)  # distinct buffers: each field is donated
+    pool = lambda m: KVCache.zeros(
+        m, cfg.num_pages, cfg.page_size, cfg.kv_storage_dtype, cfg.tpu_kv_layout
+    )
     return EngineState(
-        cache=KVCache.zeros(
-            model_cfg, cfg.num_pages, cfg.page_size, cfg.kv_storage_dtype, cfg.tpu_kv_layout
-        ),
+        cache=pool(model_cfg),
+        draft_cache=None if draft_cfg is None else pool(draft_cfg),
         page_tables=jnp.full((s, cfg.max_pages_per_seq), cfg.num_pages, jnp.int32),
         tokens=zeros(),
         seq_lens=zeros(),

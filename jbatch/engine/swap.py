@@ -1,10 +1,11 @@
 """Swap preemption: move one slot's KV pages and per-slot state to host RAM and back.
 
 ``swap_out`` gathers a slot's pages (padded to ``max_pages`` entries; padding reads are junk that
-``swap_in`` drops) of every pool buffer — an 8-bit pool's scales with its data — and its rows of
-every per-slot array, and retires the slot. ``swap_in`` writes
-them into freshly allocated pages of any free slot and reactivates it: the sequence continues as
-if nothing happened — same positions, RNG counter and penalty statistics, no recomputation.
+``swap_in`` drops) of every pool buffer — an 8-bit pool's scales with its data, and a draft
+model's pool (speculative decoding) with the target's — and its rows of every per-slot array,
+and retires the slot. ``swap_in`` writes them into freshly allocated pages of any free slot and
+reactivates it: the sequence continues as if nothing happened — same positions, RNG counter
+and penalty statistics, no recomputation.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class SwappedSlot:
     sampling: SlotSampling  # scalar fields: the slot's sampling row
     prompt_mask: Bool[Array, " vocab"]
     output_counts: Int32[Array, " vocab"]
+    draft_kv: KVCache | None = None  # the same pages of the draft model's pool, if any
 
 
 def swap_out(
@@ -41,6 +43,7 @@ def swap_out(
         sampling=jax.tree.map(lambda a: a[slot], state.sampling),
         prompt_mask=state.prompt_mask[slot],
         output_counts=state.output_counts[slot],
+        draft_kv=jax.tree.map(lambda buf: buf[idx], state.draft_cache),
     )
     return state.replace(active=state.active.at[slot].set(False)), saved
 
@@ -55,9 +58,11 @@ def swap_in(
     free ``slot`` and reactivate it."""
     put = lambda buf, data: buf.at[pages].set(data.astype(buf.dtype), mode="drop")
     cache = jax.tree.map(put, state.cache, saved.kv)
+    draft_cache = jax.tree.map(put, state.draft_cache, saved.draft_kv)
     rows = {f: getattr(state, f).at[slot].set(saved.rows[f]) for f in _ROW_FIELDS}
     return state.replace(
         cache=cache,
+        draft_cache=draft_cache,
         page_tables=state.page_tables.at[slot].set(pages),
         active=state.active.at[slot].set(True),
         sampling=jax.tree.map(lambda a, r: a.at[slot].set(r), state.sampling, saved.sampling),
