@@ -21,3 +21,12 @@ def demo_model_path() -> Path:
             f"run scripts/train_demo_model.py or pass --model"
         )
     return path
+
+
+def demo_draft_path() -> Path:
+    """Folder of the demo model's draft for speculative decoding (1 layer, distilled from it by
+    ``scripts/train_draft_model.py``; ``docs/demo_model.md``): ``--speculative-model``."""
+    path = demo_model_path() / "draft"
+    if not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"no draft model at {path}; run scripts/train_draft_model.py")
+    return path

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from jbatch import LLM, SamplingParams
 from tests.compile_counter import count_compiles
 from tests.test_engine import assert_drained, assert_teacher_forced
 
 ENGINE = dict(
-    max_slots=2, page_size=8, num_pages=12, max_num_batched_tokens=16, max_seq_len=80,
+    max_slots=2, page_size=8, num_pages=12, max_num_batched_tokens=8, max_seq_len=80,
     block_q=8, dtype="float32", attn_impl="xla", num_speculative_tokens=3,
     speculative_max_batch=2, preemption_mode="swap", debug_checks=True,
 )  # fmt: skip
@@ -62,3 +63,24 @@ def test_speculative_model_needs_the_draft_method(hf_checkpoint):
     path, _ = hf_checkpoint("llama")
     with pytest.raises(ValueError, match="speculative_model"):
         LLM(path, speculative="ngram", speculative_model=str(path), warmup=False)
+
+
+def test_demo_model_with_its_trained_draft():
+    """The shipped pair: greedy output is the demo model's own (HF transformers'), and the
+    distilled draft gets a good share of its proposals accepted."""
+    from transformers import AutoModelForCausalLM
+
+    from jbatch.demo import demo_draft_path, demo_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(demo_model_path(), dtype=torch.float32).eval()
+    llm = LLM(
+        demo_model_path(), speculative_model=str(demo_draft_path()), max_slots=1, page_size=16,
+        num_pages=16, max_num_batched_tokens=16, max_seq_len=128, block_q=16, dtype="float32",
+        speculative_max_batch=1,
+    )  # fmt: skip
+    prompts = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\nclass "]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
+    for out in outs:
+        assert_teacher_forced(model, out.prompt_token_ids, out.outputs[0].token_ids)
+    stats = llm.engine.stats()
+    assert stats.spec_proposed_tokens > 0 and stats.spec_acceptance_rate > 0.3, stats
