@@ -21,7 +21,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 @pytest.fixture(scope="module")
 def self_draft(hf_checkpoint):
     """The target as its own draft: every greedy proposal must be accepted (up to float
-    noise) as long as the draft pool holds the same tokens as the target's — swaps included."""
+    noise) as long as the draft pool holds the same tokens as the target's — swaps and
+    prefix-cache hits included."""
     path, model = hf_checkpoint("llama")
     return LLM(path, speculative_model=str(path), **ENGINE), model
 
@@ -30,6 +31,7 @@ def test_greedy_output_is_the_targets_and_the_draft_pool_stays_in_sync(self_draf
     llm, model = self_draft
     rng = np.random.RandomState(1)
     prompts = [rng.randint(3, 384, int(n)).tolist() for n in (5, 19, 11, 30)]
+    prompts[3][:17] = prompts[1][:17]  # two full pages from the prefix cache
     opt_out = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, speculative=False)
     params = [GREEDY, GREEDY, opt_out, GREEDY]
     before = llm.engine.stats()
@@ -41,6 +43,7 @@ def test_greedy_output_is_the_targets_and_the_draft_pool_stays_in_sync(self_draf
         assert_teacher_forced(model, prompt, out.outputs[0].token_ids)
     stats = llm.engine.stats()
     assert stats.swap_outs > before.swap_outs, "the pool was meant to force swaps"
+    assert llm.engine.scheduler.allocator.hits > 0, "prefix pages were meant to be reused"
     proposed = stats.spec_proposed_tokens - before.spec_proposed_tokens
     accepted = stats.spec_accepted_tokens - before.spec_accepted_tokens
     assert proposed > 50 and accepted >= 0.95 * proposed, (accepted, proposed)
