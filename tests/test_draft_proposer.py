@@ -61,15 +61,20 @@ def group_sampling(**rows) -> SlotSampling:
     return sp.replace(**{k: jnp.asarray(v, getattr(sp, k).dtype) for k, v in rows.items()})
 
 
-@pytest.fixture(scope="module")
-def pair(hf_checkpoint):
-    path, model = hf_checkpoint("llama")
+def make_pair(hf_checkpoint, variant: str):
+    """(path, torch model, loaded draft, prompts per slot, page tables) for ``variant``."""
+    path, model = hf_checkpoint(variant)
     draft = load_draft(path, ModelConfig.from_file(path / "config.json"), engine_cfg())
     rng = np.random.RandomState(0)
     prompts = {s: rng.randint(3, draft.cfg.vocab_size, n).tolist() for s, n in PROMPT_LENS.items()}
     perm = rng.permutation(NUM_PAGES)[: SLOTS * MAX_PAGES].reshape(SLOTS, MAX_PAGES)
     tables = jnp.asarray(perm.astype(np.int32))
     return path, model, draft, prompts, tables
+
+
+@pytest.fixture(scope="module")
+def pair(hf_checkpoint):
+    return make_pair(hf_checkpoint, "llama")
 
 
 def run_propose(pair, sampling, step_index=None):
@@ -93,7 +98,7 @@ def greedy(pair):
     return run_propose(pair, group_sampling())
 
 
-def test_greedy_proposals_are_the_drafts_own_continuation(pair, greedy):
+def assert_hf_continuation(pair, greedy) -> None:
     _, model, _, prompts, _ = pair
     _, drafts, probs = greedy
     for g, slot in enumerate(GROUP_SLOTS):
@@ -105,6 +110,17 @@ def test_greedy_proposals_are_the_drafts_own_continuation(pair, greedy):
             )
         assert drafts[g].tolist() == out[0, len(prompts[slot]) :].tolist(), f"group {g}"
         np.testing.assert_array_equal(probs[g], np.eye(probs.shape[-1])[drafts[g]])  # one-hot
+
+
+def test_greedy_proposals_are_the_drafts_own_continuation(pair, greedy):
+    assert_hf_continuation(pair, greedy)
+
+
+def test_greedy_proposals_of_gemma2(hf_checkpoint):
+    """Soft caps, sandwich norms, and a sliding window shorter than the prompts (the other
+    families differ only inside ``llama.forward``, which the fidelity tests cover)."""
+    pair = make_pair(hf_checkpoint, "gemma2")
+    assert_hf_continuation(pair, run_propose(pair, group_sampling()))
 
 
 def pool_entries(cache: KVCache, tables, slot: int, n: int) -> np.ndarray:
