@@ -77,7 +77,7 @@ def pair(hf_checkpoint):
     return make_pair(hf_checkpoint, "llama")
 
 
-def run_propose(pair, sampling, step_index=None):
+def run_propose(pair, sampling, step_index=None, num_drafts=None):
     """Prefill every prompt but its last token into a NaN pool, then propose from it."""
     _, _, draft, prompts, tables = pair
     cache = KVCache.full(draft.cfg, NUM_PAGES, PAGE, jnp.float32, jnp.nan)
@@ -85,10 +85,11 @@ def run_propose(pair, sampling, step_index=None):
     last = [prompts[s][-1] if s in prompts else 0 for s in GROUP_SLOTS]
     pos = [PROMPT_LENS[s] - 1 if s in prompts else -1 for s in GROUP_SLOTS]
     steps = np.zeros(len(GROUP_SLOTS), np.int32) if step_index is None else step_index
+    nd = None if num_drafts is None else jnp.asarray(num_drafts, jnp.int32)
     cache, drafts, probs = _propose(
         draft.params, draft.cfg, cache, jnp.asarray(last, jnp.int32), jnp.asarray(pos, jnp.int32),
         jnp.asarray(GROUP_SLOTS), tables, sampling, jnp.asarray(steps),
-        num_tokens=K, block_q=BLOCK_Q, attn_impl="xla",
+        nd, num_tokens=K, block_q=BLOCK_Q, attn_impl="xla",
     )  # fmt: skip
     return cache, np.asarray(drafts), np.asarray(probs)
 
@@ -131,12 +132,14 @@ def pool_entries(cache: KVCache, tables, slot: int, n: int) -> np.ndarray:
                      for k, v in zip(cache.k, cache.v)])  # fmt: skip
 
 
-def test_draft_pool_equals_a_fresh_prefill_and_padding_writes_nothing(pair, greedy):
+def assert_pool(pair, cache, drafts, num_drafts) -> None:
+    """The pool holds a fresh prefill's K/V of each prompt and its first ``num_drafts[g]``
+    drafts (``d_K`` included when all K are offered), and NaN everywhere else."""
     _, _, draft, prompts, tables = pair
-    cache, drafts, probs = greedy
-    assert np.isfinite(probs).all() and (drafts >= 0).all()
-    # Every token whose K/V propose wrote: the prompt, then drafts d_1..d_K (d_K's too).
-    seqs = {s: prompts[s] + drafts[list(GROUP_SLOTS).index(s)].tolist() for s in prompts}
+    seqs = {}
+    for g, slot in enumerate(GROUP_SLOTS):
+        if slot in prompts:
+            seqs[int(slot)] = prompts[slot] + drafts[g, : num_drafts[g]].tolist()
     fresh = prefill(draft, KVCache.full(draft.cfg, NUM_PAGES, PAGE, jnp.float32, jnp.nan),
                     tables, seqs)  # fmt: skip
     written = np.zeros((NUM_PAGES, PAGE), bool)
@@ -151,6 +154,23 @@ def test_draft_pool_equals_a_fresh_prefill_and_padding_writes_nothing(pair, gree
     for layer in (*cache.k, *cache.v):  # nothing else was written: padding group included
         assert np.isnan(np.asarray(layer)[~written]).all()
         assert np.isfinite(np.asarray(layer)[written]).all()
+
+
+def test_draft_pool_equals_a_fresh_prefill_and_padding_writes_nothing(pair, greedy):
+    cache, drafts, probs = greedy
+    assert np.isfinite(probs).all() and (drafts >= 0).all()
+    assert_pool(pair, cache, drafts, [K] * len(GROUP_SLOTS))
+
+
+def test_rows_past_num_drafts_are_not_written(pair, greedy):
+    """Only the rows the target verifies (past them a page-table entry may be stale)."""
+    num_drafts = [1, K, 0, 2]  # group 1 is padding whatever it says
+    cache, drafts, probs = run_propose(pair, group_sampling(), num_drafts=num_drafts)
+    for g, n in enumerate(num_drafts):
+        if GROUP_SLOTS[g] != 1:
+            np.testing.assert_array_equal(drafts[g, :n], greedy[1][g, :n])
+        assert (drafts[g, n:] == 0).all() and (probs[g, n:] == 0).all()
+    assert_pool(pair, cache, drafts, num_drafts)
 
 
 SAMPLED = dict(

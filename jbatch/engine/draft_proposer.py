@@ -95,6 +95,7 @@ def propose(
     page_tables: Int[Array, "slots max_pages"],
     sampling: SlotSampling,
     step_index: Int32[Array, " g"],
+    num_drafts: Int32[Array, " g"] | None = None,
     *,
     num_tokens: int,
     block_q: int = 1,
@@ -105,17 +106,21 @@ def propose(
     Iteration ``i`` (0..K) decodes ``x_i`` at ``positions + i`` (``x_0 = last_tokens``,
     ``x_i = d_i``) for every group at once, writing its K/V; iterations ``i < K`` draw
     ``d_{i+1}`` under the group's ``sampling`` (gathered per group) with RNG counter
-    ``step_index + i``. Groups at position -1 are padding: they write nothing and return token 0
-    and ``q = 0``; rows past the page table's capacity are not written either.
+    ``step_index + i``. ``num_drafts`` (default K): the proposals the target will verify; only
+    rows ``0..num_drafts`` are written (the rows the target writes, whose pages the host
+    assigned: past them a page-table entry may be stale) and proposals past ``num_drafts`` are
+    returned as token 0 and ``q = 0``. Groups at position -1 are padding: they write nothing and
+    return token 0 and ``q = 0``; rows past the page table's capacity are not written either.
     Returns (draft pool, drafts ``[G, K]``, their distributions ``q`` ``[G, K, V]`` float32).
     """
     g, k, vocab = last_tokens.shape[0], num_tokens, draft_cfg.vocab_size
     max_len = page_tables.shape[1] * draft_cache.page_size
-    valid = positions >= 0  # [G]
-    row_pos = lambda i: jnp.where(valid & (positions + i < max_len), positions + i, -1)
+    nd = jnp.full((g,), k, jnp.int32) if num_drafts is None else num_drafts
+    nd = jnp.where(positions >= 0, jnp.clip(nd, 0, k), -1)  # [G]; -1: padding, no row at all
+    row_on = lambda i: (i <= nd) & (positions + i < max_len)  # [G]
     fwd = lambda cache, tok, i: forward(
-        draft_params, draft_cfg, cache, tok, row_pos(i), slots, page_tables,
-        num_decode=g, block_q=block_q, attn_impl=attn_impl,
+        draft_params, draft_cfg, cache, tok, jnp.where(row_on(i), positions + i, -1), slots,
+        page_tables, num_decode=g, block_q=block_q, attn_impl=attn_impl,
     )  # fmt: skip
 
     def body(i, carry):
@@ -135,8 +140,9 @@ def propose(
     )
     cache, last, drafts, probs = jax.lax.fori_loop(0, k, body, init)
     _, cache = fwd(cache, last, k)  # d_K's K/V; its own proposal would be discarded
-    drafts = jnp.where(valid[:, None], drafts, 0)
-    probs = jnp.where(valid[:, None, None], probs, 0.0)
+    offered = jnp.arange(k)[None, :] < nd[:, None]  # [G, K]
+    drafts = jnp.where(offered, drafts, 0)
+    probs = jnp.where(offered[..., None], probs, 0.0)
     return cache, drafts, probs
 
 
@@ -167,6 +173,7 @@ def spec_drafts(
     state: EngineState,
     group_slots: Int32[Array, " g"],
     live: Bool[Array, " g"],
+    num_drafts: Int32[Array, " g"],
     page_tables: Int[Array, "slots max_pages"],
     sampling: SlotSampling,
     *,
@@ -175,12 +182,13 @@ def spec_drafts(
     attn_impl: str = "auto",
 ) -> tuple[KVCache, Int32[Array, "g k"], Float[Array, "g k vocab"]]:
     """The speculative step's hook (``spec_step.spec_step``): :func:`propose` from each live
-    group's last token at ``seq_lens`` (other groups are padding). Every live group's rows are
-    written, also those of groups the host gave fewer proposals: row 0 is always verified."""
+    group's last token at ``seq_lens`` (other groups are padding), writing exactly the rows the
+    target writes: row 0 of every live group — also one the host gave no proposals (a request
+    that does not speculate) — and its ``num_drafts`` proposal rows."""
     positions = jnp.where(live, state.seq_lens[group_slots], -1)
     return propose(
         params[DRAFT_PARAMS], draft_cfg, state.draft_cache, state.tokens[group_slots], positions,
-        group_slots, page_tables, sampling, state.num_generated[group_slots],
+        group_slots, page_tables, sampling, state.num_generated[group_slots], num_drafts,
         num_tokens=num_tokens, block_q=block_q, attn_impl=attn_impl,
     )  # fmt: skip
 

@@ -108,7 +108,7 @@ def spec_step(
     drafts, draft_probs, draft_cache = batch.draft_tokens, None, state.draft_cache
     if draft_cfg is not None:
         draft_cache, drafts, draft_probs = spec_drafts(
-            params, draft_cfg, state, gs_c, live, page_tables, sp, num_tokens=k,
+            params, draft_cfg, state, gs_c, live, num_drafts, page_tables, sp, num_tokens=k,
             block_q=block_q, attn_impl=attn_impl,
         )  # fmt: skip
     tokens = jnp.concatenate([state.tokens[gs_c][:, None], drafts], axis=1)
