@@ -58,6 +58,10 @@ SURFACE_RULES: dict[str, dict[str, Rule]] = {
         "max_tokens": Rule("a longer default than 16 to see what a model writes", default=64),
         "temperature": Rule("greedy by default: one command, one output", default=0.0),
         "structured": hidden("a JSON Schema or grammar does not fit a flag; use the Python API"),
+        "speculative": hidden(
+            "the engine flag --speculative (EngineConfig) turns speculation on for the whole "
+            "run; the per-request opt-out is for servers and the Python API"
+        ),
     },
     "grpc": {
         "n": hidden(
