@@ -5,15 +5,16 @@ scheduler allocates pages once), a separate :class:`KVCache` of the draft's shap
 valid because the draft runs over every token the target computes:
 
 * every prefill / mixed step program runs :func:`draft_forward` over its flat token buffer (the
-  draft's hidden states are discarded: XLA drops its final norm and there is no LM head);
+  draft's hidden states are discarded, so XLA drops its final norm and its last layer's
+  attention and MLP; there is no LM head);
 * the spec step program runs :func:`propose` first. Its ``K + 1`` one-row-per-group decodes
   write the draft's K/V of exactly the rows the target then verifies (the slot's last token at
-  ``seq_lens`` and the drafts at ``seq_lens + 1 .. seq_lens + K``), so that program needs no
+  ``seq_lens`` and its ``num_drafts`` proposals after it), so that program needs no
   ``draft_forward``. Rejected positions hold stale K/V in both pools and are overwritten later,
   the same rule for both.
 
 So at page id ``p`` the draft pool holds the draft's K/V of the same tokens the target pool holds
-at ``p`` (prefix-cache hits and swaps included, as long as swaps copy both pools).
+at ``p`` (prefix-cache hits included; swaps copy both pools, snapshots save both).
 
 Proposals follow the request's sampling settings (temperature, top-k, top-p, min-p through
 :func:`jbatch.engine.sampler.filtered_logits`; penalties and structured-output masks are not
