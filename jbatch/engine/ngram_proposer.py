@@ -39,9 +39,7 @@ class TokenStream:
         return self._buf[: self.size]
 
 
-def propose(
-    stream: Int32[np.ndarray, " n"], k: int, ngram_min: int, ngram_max: int
-) -> list[int]:
+def propose(stream: Int32[np.ndarray, " n"], k: int, ngram_min: int, ngram_max: int) -> list[int]:
     """Up to ``k`` proposed next tokens for ``stream`` (module doc); [] when no n-gram recurs.
 
     One pass finds every earlier position holding the stream's last token (a candidate end of
