@@ -16,6 +16,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *KV_STORAGE_DTYPES)  # "auto": the model dtype
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 SCHEDULING_POLICIES = ("priority", "fcfs", "fair")
+ROLES = ("mixed", "prefill", "decode")
 
 
 def default_dtype() -> str:
@@ -68,6 +69,10 @@ class EngineConfig:
         the two are tied).
     tp: tensor parallelism — devices one engine replica's model and KV pool are split over.
     dp: data parallelism — engine replicas (each on its own ``tp`` devices) behind one router.
+    role: what the engine runs (``docs/scaling.md``, disaggregation): "mixed" (prompts and
+        decodes), "prefill" (prompt chunks only: no decode rows are compiled; a request whose
+        prompt is done is handed over to a decode engine) or "decode" (decode-only programs;
+        takes handed-over requests only and preempts by swapping).
     """
 
     max_slots: int = 8
@@ -92,6 +97,7 @@ class EngineConfig:
     quantize_lm_head: bool = False
     tp: int = 1
     dp: int = 1
+    role: str = "mixed"
 
     def __post_init__(self):
         for name in (
@@ -120,6 +126,8 @@ class EngineConfig:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
             )
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         object.__setattr__(self, "tenant_weights", check_weights(self.tenant_weights))
         if self.dtype is None:
             object.__setattr__(self, "dtype", default_dtype())
@@ -164,6 +172,12 @@ class EngineConfig:
                 raise ValueError("quantize_lm_head=True needs quantization (e.g. 'int8')")
             return None
         return WeightQuant(self.quantization, self.quantize_lm_head)
+
+    @property
+    def swaps(self) -> bool:
+        """Whether the swap programs are compiled: swap preemption, or a handover (any role but
+        "mixed": a prefill engine swaps a finished prompt out, a decode engine swaps it in)."""
+        return self.preemption_mode != "recompute" or self.role != "mixed"
 
     @property
     def kv_storage_dtype(self):

@@ -242,14 +242,17 @@ class EngineCore:
         return saved if self.host == self.device else jax.device_put(saved, self.host)
 
     def to_device(self, saved: swap.SwappedSlot) -> swap.SwappedSlot:
+        """A swapped slot from host RAM (``to_host``) or from another engine's devices (a
+        handover) onto this engine's placement."""
         if self.mesh is not None:
-            return jax.tree.map(lambda h, s: h.to_device(s), saved, self.swapped_sharding)
+            put = lambda h, s: jax.device_put(h, s) if isinstance(h, jax.Array) else h.to_device(s)
+            return jax.tree.map(put, saved, self.swapped_sharding)
         return jax.device_put(saved, self.device)
 
     def warmup(self, params: dict, state: EngineState) -> EngineState:
         """Compile every program the engine will ever run (one step per bucket pair)."""
         compile_all([self.lower_step(params, state, *key) for key in self.layouts])
-        if self.cfg.preemption_mode != "recompute":
+        if self.cfg.swaps:
             state, saved = self.swap_out(state, 0, self.unused_pages())
             saved = self.to_device(self.to_host(saved))  # the round trip a swap makes
             state = self.swap_in(state, 0, self.unused_pages(), saved)
