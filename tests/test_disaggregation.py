@@ -8,15 +8,22 @@ simulated CPU devices (``tests/disagg_worker.py``), started once for the module.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
+import grpc
+import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jbatch import EngineConfig, LLMEngine, SamplingParams
 from jbatch.engine import buckets
@@ -24,7 +31,9 @@ from jbatch.engine.interface import EngineClient
 from jbatch.engine.mock_core import MockCore
 from jbatch.outputs import OutputKind
 from jbatch.parallel.disaggregated import DisaggregatedEngine
+from serving.client import GenerationClient
 from tests.disagg_worker import NUM_REQUESTS
+from tests.hf_models import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 97
@@ -169,3 +178,129 @@ def test_tp_disaggregation_exercises_cache_and_preemption(inprocess):
     for key in ("pages_used", "requests_left"):
         assert inprocess[key] == {"prefill": 0, "decode": 0}, key
     assert inprocess["slots_free"] == {"prefill": 8, "decode": 8}
+
+
+# ---- two `jbatch serve` processes on loopback: KV through JAX's transfer server ---------------
+SERVE_FLAGS = [
+    "--max-slots", "4", "--page-size", "4", "--max-num-batched-tokens", "32", "--block-q", "8",
+    "--max-seq-len", "96", "--grpc-port", "0", "--http-port", "0", "--shutdown-timeout", "2",
+]  # fmt: skip
+PORT_LINE = re.compile(r"gRPC on [\d.]+:(\d+), HTTP on [\d.]+:(\d+)")
+
+
+def _start(ckpt, *flags) -> tuple[subprocess.Popen, str, str]:
+    cmd = [sys.executable, "-m", "jbatch.cli", "serve", "--model", str(ckpt), *SERVE_FLAGS]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    proc = subprocess.Popen([*cmd, *flags], stderr=subprocess.PIPE, text=True, env=env)
+    for _ in range(200):  # the port line comes before the model loads
+        if m := PORT_LINE.search(proc.stderr.readline()):
+            return proc, f"127.0.0.1:{m.group(1)}", f"http://127.0.0.1:{m.group(2)}"
+    proc.kill()
+    raise AssertionError("no port line from jbatch serve")
+
+
+def _wait_serving(target: str, timeout: float = 240.0) -> None:
+    req = health_pb2.HealthCheckRequest(service="jbatch.v1.Generation")
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(grpc.RpcError):
+                if stub.Check(req, timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            time.sleep(0.2)
+    raise AssertionError(f"{target} did not become SERVING")
+
+
+@pytest.fixture(scope="module")
+def two_servers(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("disagg_llama")
+    make_checkpoint("llama", ckpt)
+    procs = []
+    try:
+        decode = _start(ckpt, "--role", "decode", "--num-pages", "40")
+        procs.append(decode[0])
+        prefill = _start(ckpt, "--role", "prefill", "--num-pages", "64",
+                         "--decode-peers", decode[1])  # fmt: skip
+        procs.append(prefill[0])
+        _wait_serving(decode[1])
+        _wait_serving(prefill[1])
+        yield ckpt, decode, prefill
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+
+
+def _mixed_tokens(ckpt, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    from jbatch import LLM
+
+    llm = LLM(str(ckpt), max_slots=4, page_size=4, max_num_batched_tokens=32, block_q=8,
+              max_seq_len=96, num_pages=64)  # fmt: skip
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+
+async def _complete_all(target, prompts, max_tokens):
+    async with GenerationClient(target) as client:
+        calls = [
+            client.complete(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, max_tokens)
+        ]
+        return await asyncio.gather(*calls)
+
+
+def test_two_processes_match_a_mixed_engine(two_servers):
+    ckpt, _, prefill = two_servers
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 384) for _ in range(12)]
+    prompts = [
+        shared * (i % 2) + [rng.randrange(3, 384) for _ in range(3 + 2 * i)] for i in range(8)
+    ]
+    max_tokens = [1, 5, 12, 20, 7, 30, 3, 16]
+    got = asyncio.run(_complete_all(prefill[1], prompts, max_tokens))
+    assert [c.token_ids for c in got] == _mixed_tokens(ckpt, prompts, max_tokens)
+    assert [c.completion_tokens for c in got] == max_tokens
+    assert all(c.finish_reason == "length" for c in got)
+    # The HTTP API of the prefill server streams from the decode server the same way.
+    body = {"prompt": "hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    resp = httpx.post(prefill[2] + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 6
+
+
+def test_a_decode_server_refuses_plain_requests(two_servers):
+    _, decode, _ = two_servers
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(_complete_all(decode[1], [[3, 4, 5]], [4]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _metric(http: str, name: str) -> float:
+    text = httpx.get(http + "/metrics", timeout=10).text
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+def test_a_killed_decode_server_fails_requests_unavailable(two_servers):
+    _, decode, prefill = two_servers
+
+    async def killed_mid_stream():
+        async with GenerationClient(prefill[1]) as client:
+            sp = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+            received = 0
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for resp in client.generate([5, 6, 7, 8, 9], sp, timeout=60):
+                    received += len(resp.token_ids)
+                    if received >= 3 and decode[0].poll() is None:
+                        decode[0].kill()  # mid-stream: the request is on the decode server
+            return info.value.code(), received
+
+    code, received = asyncio.run(killed_mid_stream())
+    assert code == grpc.StatusCode.UNAVAILABLE and 3 <= received < 80
+    decode[0].wait(30)
+    # No decode peer left: UNAVAILABLE after the prefill, not a hang.
+    t0 = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(_complete_all(prefill[1], [[3, 4, 5, 6]], [8]))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 20
+    assert _metric(prefill[2], "jbatch_kv_pages_used") == 0  # nothing leaked on the prefill side

@@ -143,6 +143,12 @@ def admit(engine, record: HandoverRecord, saved: SwappedSlot) -> Request:
     return seq
 
 
+def free_pages(scheduler) -> int:
+    """Pages a decode engine's ``scheduler`` can still give a handover: free (or only cached)
+    ones, minus those the swap-ins it queues will take (how a decode engine is picked)."""
+    return scheduler.allocator.num_free - sum(s.swapped_pages for s in scheduler.waiting)
+
+
 def _detokenizer(engine, record: HandoverRecord) -> IncrementalDetokenizer | None:
     if record.detokenizer is None or engine.tokenizer is None:
         return None

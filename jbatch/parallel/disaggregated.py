@@ -100,10 +100,8 @@ class DisaggregatedEngine:
 
     # ---- the loop ------------------------------------------------------------------------------
     def free_pages(self, i: int) -> int:
-        """Pages decode engine ``i`` can still give: free (or only cached) ones, minus those the
-        requests it queues for a swap-in will take."""
-        sched = self.decodes[i].scheduler
-        return sched.allocator.num_free - sum(s.swapped_pages for s in sched.waiting)
+        """Pages decode engine ``i`` can still give (``handover.free_pages``)."""
+        return handover.free_pages(self.decodes[i].scheduler)
 
     def pick_decode(self) -> int:
         """The decode engine with the most free pages (ties: the first)."""

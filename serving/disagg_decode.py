@@ -1,0 +1,112 @@
+"""The decode side of disaggregated serving: ``jbatch.v1.Disaggregation`` on a ``--role decode``
+server (``docs/scaling.md``).
+
+``Handover``: parse the host record (``jbatch/engine/handover_wire.py``), pull the request's KV
+pages and slot rows from the prefill server's JAX transfer server (``serving/kv_transfer.py``)
+onto this engine's placement, queue the request on the engine thread
+(:meth:`EngineThread.adopt`: it waits like a swapped-out request and is swapped into this pool's
+pages), then stream its outputs back, one ``HandoverOutput`` per engine step. Cancelling the
+call aborts the request. ``PoolStatus``: this pool's free pages, for the prefill server's
+choice of peer. Servers of another role answer FAILED_PRECONDITION.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+
+import grpc
+import jax
+
+from jbatch.engine import handover, swap
+from jbatch.engine.handover_wire import record_from_json, top_to_list
+from serving.context import ServingContext
+from serving.errors import ServingError
+from serving.kv_transfer import KvTransfer
+from serving.proto.jbatch.v1 import disaggregation_pb2 as pb
+from serving.proto.jbatch.v1 import disaggregation_pb2_grpc as pb_grpc
+
+
+def output_of(delta) -> pb.HandoverOutput:
+    """One stream delta of the decode server as the message the prefill server relays."""
+    out = pb.HandoverOutput(
+        token_ids=delta.token_ids, text=delta.text, finish_reason=delta.finish_reason or "",
+        completion_tokens=delta.completion_tokens,
+    )  # fmt: skip
+    if isinstance(delta.stop_reason, str):
+        out.stop_string = delta.stop_reason
+    elif isinstance(delta.stop_reason, int):
+        out.stop_token_id = delta.stop_reason
+    if delta.top_logprobs is not None:
+        out.top_logprobs_json = json.dumps([top_to_list(t) for t in delta.top_logprobs]).encode()
+    return out
+
+
+class DisaggregationService(pb_grpc.DisaggregationServicer):
+    def __init__(self, ctx: ServingContext, host: str = "127.0.0.1"):
+        self.ctx, self.host = ctx, host  # the transfer server binds ``host``
+        self._transfer: KvTransfer | None = None
+        self._layout = None  # (template SwappedSlot, its shardings), read once
+
+    async def _decode_thread(self, context):
+        thread = self.ctx.engine_thread_or_raise()
+        if thread.engine.cfg.role != "decode":
+            role = thread.engine.cfg.role
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this server is {role!r}")
+        if self._layout is None:
+            self._layout = await asyncio.wrap_future(thread.call(_slot_layout))
+            self._transfer = self._transfer or KvTransfer(self.host)
+        return thread
+
+    async def Handover(
+        self, request: pb.HandoverRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.HandoverOutput]:
+        try:
+            thread = await self._decode_thread(context)
+            record = record_from_json(request.record_json)
+            specs = [(tuple(a.shape), a.dtype) for a in request.arrays]
+            saved = await asyncio.to_thread(
+                self._transfer.pull, request.transfer_address, request.transfer_uuid, specs,
+                *self._layout,
+            )  # fmt: skip
+            admit = lambda engine, rid: handover.admit(
+                engine, dataclasses.replace(record, request_id=rid), saved
+            )
+            stream = thread.adopt(admit)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ServingError as e:
+            await context.abort(e.status.grpc_code, e.message)
+        try:
+            async for delta in stream:
+                yield output_of(delta)
+        except ServingError as e:
+            await context.abort(e.status.grpc_code, e.message)
+        finally:
+            stream.abort()  # the prefill server cancelled or went away: free the pages
+
+    async def PoolStatus(
+        self, request: pb.PoolStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PoolStatusResponse:
+        try:
+            thread = await self._decode_thread(context)
+        except ServingError as e:
+            await context.abort(e.status.grpc_code, e.message)
+        return await asyncio.wrap_future(thread.call(_pool_status))
+
+
+def _slot_layout(engine):
+    """The shapes (a SwappedSlot of ShapeDtypeStructs) and placement of one swapped slot."""
+    core = engine.core
+    template = jax.eval_shape(swap.swap_out, engine.state, 0, core.unused_pages())[1]
+    return template, core.swapped_sharding
+
+
+def _pool_status(engine) -> pb.PoolStatusResponse:
+    stats, free = engine.stats(), handover.free_pages(engine.scheduler)
+    return pb.PoolStatusResponse(
+        free_pages=free, total_pages=stats.pages_total, running=stats.running,
+        waiting=stats.waiting,
+    )  # fmt: skip
