@@ -23,10 +23,12 @@ import jax
 from jbatch.engine import handover, swap
 from jbatch.engine.handover_wire import record_from_json, top_to_list
 from serving.context import ServingContext
-from serving.errors import ServingError
+from serving.errors import ServingError, Status
 from serving.kv_transfer import KvTransfer
 from serving.proto.jbatch.v1 import disaggregation_pb2 as pb
 from serving.proto.jbatch.v1 import disaggregation_pb2_grpc as pb_grpc
+
+PULL_TIMEOUT_S = 30.0  # a handover whose KV pages take longer fails with UNAVAILABLE
 
 
 def output_of(delta) -> pb.HandoverOutput:
@@ -67,10 +69,7 @@ class DisaggregationService(pb_grpc.DisaggregationServicer):
             thread = await self._decode_thread(context)
             record = record_from_json(request.record_json)
             specs = [(tuple(a.shape), a.dtype) for a in request.arrays]
-            saved = await asyncio.to_thread(
-                self._transfer.pull, request.transfer_address, request.transfer_uuid, specs,
-                *self._layout,
-            )  # fmt: skip
+            saved = await self._pull(request, specs)
             admit = lambda engine, rid: handover.admit(
                 engine, dataclasses.replace(record, request_id=rid), saved
             )
@@ -86,6 +85,21 @@ class DisaggregationService(pb_grpc.DisaggregationServicer):
             await context.abort(e.status.grpc_code, e.message)
         finally:
             stream.abort()  # the prefill server cancelled or went away: free the pages
+
+    async def _pull(self, request: pb.HandoverRequest, specs):
+        """The handed-over arrays, all bytes arrived: a failed or stalled pull fails this call
+        (UNAVAILABLE), never the engine's next step. jax 0.10.2's pull has no working timeout:
+        a pull that never completes leaves one worker thread waiting."""
+        pull = self._transfer.pull
+        args = (request.transfer_address, request.transfer_uuid, specs, *self._layout)
+        try:
+            saved = await asyncio.to_thread(pull, *args)
+            return await asyncio.wait_for(
+                asyncio.to_thread(jax.block_until_ready, saved), PULL_TIMEOUT_S
+            )
+        except (TimeoutError, RuntimeError) as e:  # JaxRuntimeError: the peer went away
+            msg = f"pulling the KV pages from {request.transfer_address} failed: {e!r}"
+            raise ServingError(Status.UNAVAILABLE, msg) from None
 
     async def PoolStatus(
         self, request: pb.PoolStatusRequest, context: grpc.aio.ServicerContext

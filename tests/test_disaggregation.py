@@ -281,6 +281,33 @@ def _metric(http: str, name: str) -> float:
     return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
+def _eventually(check, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_cancelled_stream_frees_the_decode_pages(two_servers):
+    _, decode, prefill = two_servers
+
+    async def cancel_after_two_tokens() -> int:
+        received = 0
+        async with GenerationClient(prefill[1]) as client:
+            sp = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+            async for resp in client.generate(list(range(10, 30)), sp, timeout=60):
+                received += len(resp.token_ids)
+                if received >= 2:
+                    break  # leaving the loop cancels the call
+        return received
+
+    assert asyncio.run(cancel_after_two_tokens()) >= 2
+    assert _eventually(lambda: _metric(decode[2], "jbatch_kv_pages_used") == 0)
+    assert _metric(prefill[2], "jbatch_kv_pages_used") == 0
+
+
 def test_a_killed_decode_server_fails_requests_unavailable(two_servers):
     _, decode, prefill = two_servers
 
