@@ -19,8 +19,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 import jax
+import jax.numpy as jnp
 
-from jbatch.engine import handover, swap
+from jbatch.engine import buckets, handover, swap
 from jbatch.engine.handover_wire import record_from_json, top_to_list
 from serving.context import ServingContext
 from serving.errors import ServingError, Status
@@ -90,8 +91,9 @@ class DisaggregationService(pb_grpc.DisaggregationServicer):
         """The handed-over arrays, all bytes arrived: a failed or stalled pull fails this call
         (UNAVAILABLE), never the engine's next step. jax 0.10.2's pull has no working timeout:
         a pull that never completes leaves one worker thread waiting."""
-        pull = self._transfer.pull
-        args = (request.transfer_address, request.transfer_uuid, specs, *self._layout)
+        pull, layout = self._transfer.pull, self._layout
+        template = layout.template(request.num_pages)  # ValueError: too many pages
+        args = (request.transfer_address, request.transfer_uuid, specs, template, layout.sharding)
         try:
             saved = await asyncio.to_thread(pull, *args)
             return await asyncio.wait_for(
@@ -111,11 +113,28 @@ class DisaggregationService(pb_grpc.DisaggregationServicer):
         return await asyncio.wrap_future(thread.call(_pool_status))
 
 
-def _slot_layout(engine):
-    """The shapes (a SwappedSlot of ShapeDtypeStructs) and placement of one swapped slot."""
-    core = engine.core
-    template = jax.eval_shape(swap.swap_out, engine.state, 0, core.unused_pages())[1]
-    return template, core.swapped_sharding
+@dataclasses.dataclass
+class _SlotLayout:
+    """What a handed-over slot must look like here: the engine state's shapes, the config, the
+    placement of a swapped slot."""
+
+    state: object  # EngineState of ShapeDtypeStructs
+    cfg: object
+    sharding: object
+    _templates: dict = dataclasses.field(default_factory=dict)
+
+    def template(self, num_pages: int):
+        """A SwappedSlot of ShapeDtypeStructs for a handover of ``num_pages`` pages."""
+        n = buckets.pick_handover_bucket(self.cfg, num_pages)
+        if n not in self._templates:
+            pages = jax.ShapeDtypeStruct((n,), jnp.int32)
+            self._templates[n] = jax.eval_shape(swap.swap_out, self.state, 0, pages)[1]
+        return self._templates[n]
+
+
+def _slot_layout(engine) -> _SlotLayout:
+    state = jax.eval_shape(lambda s: s, engine.state)
+    return _SlotLayout(state, engine.cfg, engine.core.swapped_sharding)
 
 
 def _pool_status(engine) -> pb.PoolStatusResponse:

@@ -92,6 +92,9 @@ def test_each_role_compiles_its_own_programs():
     assert decode == {(0, 1), (0, 2), (0, 4), (0, 8)}  # decode-only programs
     assert decode < mixed and not prefill & mixed
     assert EngineConfig(**cfg, role="prefill").swaps and not EngineConfig(**cfg).swaps
+    # A handover copies its pages padded to a power of two, not to max_pages_per_seq (16).
+    assert buckets.handover_page_buckets(EngineConfig(**cfg)) == (1, 2, 4, 8, 16)
+    assert buckets.pick_handover_bucket(EngineConfig(**cfg), 5) == 8
 
 
 def test_a_decode_engine_takes_no_new_requests():

@@ -74,6 +74,24 @@ def pick_decode_bucket(cfg: EngineConfig, decodes: int, rows: int = 0) -> int:
     return next(b for b in decode_buckets(cfg, rows) if b >= decodes)
 
 
+def handover_page_buckets(cfg: EngineConfig) -> tuple[int, ...]:
+    """Page counts a handover's copy is padded to (``engine/handover.py``): powers of two, then
+    ``max_pages_per_seq``; a handover moves less than twice the pages its request holds."""
+    top, sizes, n = cfg.max_pages_per_seq, [], 1
+    while n < top:
+        sizes.append(n)
+        n *= 2
+    return (*sizes, top)
+
+
+def pick_handover_bucket(cfg: EngineConfig, pages: int) -> int:
+    """The smallest handover page bucket holding ``pages`` pages."""
+    for b in handover_page_buckets(cfg):
+        if b >= pages:
+            return b
+    raise ValueError(f"{pages} pages exceed max_pages_per_seq={cfg.max_pages_per_seq}")
+
+
 def max_page_writes(cfg: EngineConfig) -> int:
     """Upper bound on page-table entries one step assigns: a new page per decoding slot, plus
     each prompt chunk's pages (a chunk may straddle one extra page boundary)."""

@@ -37,7 +37,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from jbatch.engine import batch_builder, grammar, logprob_host, snapshot, stop_checker
+from jbatch.engine import batch_builder, buckets, grammar, logprob_host, snapshot, stop_checker
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.engine_core import EngineCore
 from jbatch.engine.interface import EngineStats, StepFailed
@@ -286,7 +286,8 @@ class LLMEngine:
             counters["swap_outs"] += 1
             counters["dispatches"] += 1
         for seq, slot, pages in sched.handovers:  # stays on the device: handover.take_ready
-            self.state, seq.swapped = core.swap_out(self.state, slot, self._pages(pages))
+            n = buckets.pick_handover_bucket(self.cfg, len(pages))
+            self.state, seq.swapped = core.swap_out(self.state, slot, self._pages(pages), n)
             self.handed_over.append(seq)
             counters["dispatches"] += 1
         work = not sched.empty
