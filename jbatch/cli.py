@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -251,7 +252,8 @@ def _serve(args: argparse.Namespace) -> int:
             return engine
         from serving.disagg_prefill import RemoteDecodeEngine
 
-        return RemoteDecodeEngine(engine, peers, args.host)  # decodes on the peers
+        key = os.environ.get("JBATCH_PEER_API_KEY")  # the decode servers' --api-key, if any
+        return RemoteDecodeEngine(engine, peers, args.host, key)  # decodes on the peers
 
     return serve(load, config)
 

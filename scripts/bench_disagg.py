@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from jbatch.demo import demo_model_path
+from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
 from jbatch.models.config import ModelConfig
 from jbatch.parallel import build_engines
@@ -39,10 +40,12 @@ def median_ms(fn, repeats: int = 20) -> float:
     return 1e3 * statistics.median(times)
 
 
-def slot_costs(engine, transfer_a: KvTransfer, transfer_b: KvTransfer) -> dict:
-    """One SwappedSlot of the prefill engine: its bytes, the device copy, the transfer pull."""
+def slot_costs(engine, pages: int, transfer_a: KvTransfer, transfer_b: KvTransfer) -> dict:
+    """The copy of a handover of ``pages`` pages: its bytes, the device copy, the pull."""
     prefill, decode = engine.prefill, engine.decodes[0]
-    prefill.state, saved = prefill.core.swap_out(prefill.state, 0, prefill.core.unused_pages())
+    n = buckets.pick_handover_bucket(prefill.cfg, pages)
+    unused = prefill.core.unused_pages()
+    prefill.state, saved = prefill.core.swap_out(prefill.state, 0, unused, n)
     saved = jax.block_until_ready(saved)
     leaves = jax.tree.leaves(saved)
     kv_bytes = sum(a.nbytes for a in jax.tree.leaves(saved.kv))
@@ -58,11 +61,10 @@ def slot_costs(engine, transfer_a: KvTransfer, transfer_b: KvTransfer) -> dict:
         saved_b = decode.core.to_device(pulled)
         decode.state = decode.core.swap_in(decode.state, 0, decode.core.unused_pages(), saved_b)
         jax.block_until_ready(decode.state)
-    cfg = prefill.cfg
     return {
+        "pages": n,
         "bytes": sum(a.nbytes for a in leaves),
-        "kv_bytes": kv_bytes,
-        "kv_bytes_per_token": kv_bytes // (cfg.max_pages_per_seq * cfg.page_size),
+        "kv_bytes_per_token": kv_bytes // (n * prefill.cfg.page_size),
         "device_copy_ms": median_ms(lambda: decode.core.to_device(saved)),
         "transfer_pull_ms": median_ms(pull),
         "compiles_on_swap_in": compiled,
@@ -103,24 +105,18 @@ def main() -> None:
     (mixed,) = build_engines(
         model_cfg, EngineConfig(**base, num_pages=256), model_dir=args.model, devices=devices[:1]
     )
-    costs = slot_costs(engine, KvTransfer(), KvTransfer())
+    transfers = KvTransfer(), KvTransfer()
     print(f"devices: {[str(d) for d in devices]}; model {args.model}; {base}")
-    print(
-        f"one handover moves {costs['bytes'] / 2**20:.2f} MiB ({costs['kv_bytes'] / 2**20:.2f} "
-        f"MiB KV = max_pages_per_seq pages, whatever the prompt; "
-        f"{costs['kv_bytes_per_token']} KV bytes per token)"
-    )
-    print(
-        f"device copy (in process) {costs['device_copy_ms']:.2f} ms; transfer-server pull "
-        f"(loopback) {costs['transfer_pull_ms']:.2f} ms; compiles on swap-in of a pulled slot: "
-        f"{costs['compiles_on_swap_in']}"
-    )
     for n in map(int, args.prompt_lens.split(",")):
+        c = slot_costs(engine, -(-n // base["page_size"]), *transfers)
         gap_d, gap_m = token_gaps(engine, n), token_gaps(mixed, n)
-        per_token = costs["bytes"] / n
         print(
-            f"prompt {n:4d}: {per_token / 1024:.1f} KiB moved per prompt token; first->second "
-            f"token {gap_d:.1f} ms disaggregated vs {gap_m:.1f} ms mixed"
+            f"prompt {n:4d}: {c['pages']} pages, {c['bytes'] / 1024:.0f} KiB moved "
+            f"({c['bytes'] / n:.0f} B per prompt token, {c['kv_bytes_per_token']} KV B/token); "
+            f"device copy {c['device_copy_ms']:.2f} ms, transfer-server pull (loopback) "
+            f"{c['transfer_pull_ms']:.2f} ms; compiles on swap-in of a pulled copy: "
+            f"{len(c['compiles_on_swap_in'])}; first->second token {gap_d:.1f} ms "
+            f"disaggregated vs {gap_m:.1f} ms mixed"
         )
 
 

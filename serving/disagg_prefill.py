@@ -64,7 +64,15 @@ class _Relay:
 class RemoteDecodeEngine:
     """A prefill engine whose requests decode on remote peers (see the module docstring)."""
 
-    def __init__(self, engine: LLMEngine, peers: Sequence[str], host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        peers: Sequence[str],
+        host: str = "127.0.0.1",
+        api_key: str | None = None,
+    ):
+        """``peers``: the decode servers' gRPC addresses; ``host``: where this process's transfer
+        server listens; ``api_key``: sent to the peers (their ``--api-key``), if any."""
         if engine.cfg.role != "prefill":
             role = engine.cfg.role
             raise ValueError(f"RemoteDecodeEngine needs a role='prefill' engine, got {role!r}")
@@ -76,6 +84,7 @@ class RemoteDecodeEngine:
         self.transfer = KvTransfer(host)
         self._outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         self._relays: dict[str, _Relay] = {}  # engine thread only
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="jbatch-peers", daemon=True).start()
         self._peers = self._on_loop(self._connect(list(peers)))
@@ -95,7 +104,8 @@ class RemoteDecodeEngine:
 
     async def _poll(self, peer: _Peer) -> None:
         try:
-            status = await peer.stub.PoolStatus(pb.PoolStatusRequest(), timeout=2.0)
+            request, meta = pb.PoolStatusRequest(), self._metadata
+            status = await peer.stub.PoolStatus(request, timeout=2.0, metadata=meta)
             peer.free_pages = status.free_pages
         except grpc.aio.AioRpcError:
             peer.free_pages = None
@@ -206,7 +216,7 @@ class RemoteDecodeEngine:
     async def _relay(self, peer: _Peer, msg: pb.HandoverRequest, record) -> None:
         """Relay the peer's stream into outputs of the request (on the peers' loop)."""
         try:
-            async for out in peer.stub.Handover(msg):
+            async for out in peer.stub.Handover(msg, metadata=self._metadata):
                 self._outputs.put(_output(record, out))
                 if out.finish_reason:
                     return
