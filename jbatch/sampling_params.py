@@ -77,6 +77,9 @@ class SamplingParams:
     structured: StructuredOutput | None = _field(  # noqa: RUF009 (a frozen value)
         None, "constrain the output: a JSON Schema, regex, choice or grammar"
     )
+    speculative: bool = _field(
+        True, "speculative decoding where the engine has it on (false: decode one token a step)"
+    )
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -131,7 +134,12 @@ class SamplingParams:
         need_real("frequency_penalty", lambda p: -2.0 <= p <= 2.0, "in [-2, 2]")
 
         # --- booleans ---------------------------------------------------------------------
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "speculative",
+        ):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be a bool, got {v!r}")

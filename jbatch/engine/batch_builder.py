@@ -24,6 +24,25 @@ def build_step_input(cfg: EngineConfig, core, sched: SchedulerOutput) -> StepInp
     return inp
 
 
+def build_spec_input(cfg: EngineConfig, core, sched: SchedulerOutput) -> StepInput:
+    """The input of a speculative step (``spec_step.py``): one group per decode, in the order
+    of ``sched.decodes``, with its proposals; releases, inserts and page writes as above."""
+    groups = buckets.pick_spec_bucket(cfg, len(sched.decodes))
+    inp = core.new_spec_input(groups)
+    inp.release[sched.releases] = True
+    for seq in sched.inserts:
+        _fill_insert(cfg, inp.insert, seq)
+    batch = inp.batch
+    for g, (seq, drafts) in enumerate(zip(sched.decodes, sched.drafts)):
+        batch.group_slots[g] = seq.slot
+        batch.num_drafts[g] = len(drafts)
+        batch.draft_tokens[g, : len(drafts)] = drafts
+        if seq.params.logprobs is not None:
+            batch.want_top_logprobs[seq.slot] = True
+    _fill_page_writes(batch, sched)
+    return inp
+
+
 def _fill_insert(cfg: EngineConfig, ins, seq: Request) -> None:
     """Row ``seq.slot`` of the SlotInsert views."""
     i, p = seq.slot, seq.params
@@ -60,6 +79,10 @@ def _fill_step(cfg: EngineConfig, batch, sched: SchedulerOutput) -> None:
         batch.prefill_tokens[r : r + n] = chunk.token_ids
         batch.prefill_slots[r : -(-(r + n) // bq) * bq] = chunk.seq.slot
         batch.prefill_positions[r : r + n] = range(chunk.start, chunk.start + n)
+    _fill_page_writes(batch, sched)
+
+
+def _fill_page_writes(batch, sched: SchedulerOutput) -> None:
     if sched.page_writes:
         slots, index, pages = zip(*sched.page_writes)
         w = len(slots)

@@ -97,3 +97,28 @@ def max_page_writes(cfg: EngineConfig) -> int:
     each prompt chunk's pages (a chunk may straddle one extra page boundary)."""
     top = prefill_buckets(cfg)[-1]
     return cfg.max_slots + top // cfg.page_size + top // cfg.block_q + 1
+
+
+def spec_buckets(cfg: EngineConfig) -> tuple[int, ...]:
+    """Group counts of the speculative step program (``spec_step.py``; decode-only steps with
+    ``K + 1`` rows per slot): powers of two up to ``speculative_max_batch``, which itself is
+    one. None when the engine does not speculate."""
+    if cfg.speculative is None:
+        return ()
+    top, sizes, g = cfg.speculative_max_batch, [], 1
+    while g < top:
+        sizes.append(g)
+        g *= 2
+    return (*sizes, top)
+
+
+def max_spec_page_writes(cfg: EngineConfig) -> int:
+    """Upper bound on page-table entries one speculative step assigns: each group's K + 1 rows
+    straddle at most ``ceil(K / page_size) + 1`` new pages."""
+    k1 = cfg.num_speculative_tokens + 1
+    return cfg.speculative_max_batch * (-(-k1 // cfg.page_size) + 1)
+
+
+def pick_spec_bucket(cfg: EngineConfig, groups: int) -> int:
+    """Smallest speculative bucket holding ``groups`` groups."""
+    return next(b for b in spec_buckets(cfg) if b >= groups)

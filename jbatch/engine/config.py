@@ -17,6 +17,7 @@ KV_CACHE_DTYPES = ("auto", *KV_STORAGE_DTYPES)  # "auto": the model dtype
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 SCHEDULING_POLICIES = ("priority", "fcfs", "fair")
 ROLES = ("mixed", "prefill", "decode")
+SPECULATIVE_METHODS = (None, "ngram")
 
 
 def default_dtype() -> str:
@@ -67,6 +68,15 @@ class EngineConfig:
         checkpoint's weights in ``dtype``) or "int8" (per-output-channel symmetric scales).
     quantize_lm_head: with ``quantization``, also quantize the LM head (the embedding too when
         the two are tied).
+    speculative: speculative decoding (``engine/spec_step.py``): None (off) or "ngram" (prompt
+        lookup: propose the tokens that followed the latest earlier occurrence of the
+        context's last ``ngram_max``..``ngram_min`` tokens; ``engine/ngram_proposer.py``).
+        Verification is exact: greedy output is unchanged, sampled output keeps its
+        distribution. One device (tp = dp = 1).
+    num_speculative_tokens: proposals verified per slot and step (K: K + 1 rows per slot).
+    speculative_max_batch: speculate only while at most this many requests decode (above it
+        a step costs more rows than speculation saves); also the largest group bucket.
+    ngram_min / ngram_max: the n-gram lengths the proposer tries, longest first.
     tp: tensor parallelism — devices one engine replica's model and KV pool are split over.
     dp: data parallelism — engine replicas (each on its own ``tp`` devices) behind one router.
     role: what the engine runs (``docs/scaling.md``, disaggregation): "mixed" (prompts and
@@ -95,6 +105,11 @@ class EngineConfig:
     structured_overlap: bool = False
     quantization: str | None = None
     quantize_lm_head: bool = False
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_max_batch: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
     tp: int = 1
     dp: int = 1
     role: str = "mixed"
@@ -107,6 +122,10 @@ class EngineConfig:
             "max_num_batched_tokens",
             "max_seq_len",
             "block_q",
+            "num_speculative_tokens",
+            "speculative_max_batch",
+            "ngram_min",
+            "ngram_max",
             "tp",
             "dp",
         ):
@@ -128,7 +147,13 @@ class EngineConfig:
             )
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role == "prefill" and self.speculative is not None:
+            raise ValueError(
+                f"speculative={self.speculative!r} with role='prefill': a prefill engine never "
+                f"decodes (speculate on the decode engine)"
+            )
         object.__setattr__(self, "tenant_weights", check_weights(self.tenant_weights))
+        self._check_speculative()
         if self.dtype is None:
             object.__setattr__(self, "dtype", default_dtype())
         if self.dtype not in DTYPES:
@@ -162,6 +187,26 @@ class EngineConfig:
             raise ValueError(
                 f"the KV pool (num_pages={self.num_pages} x page_size={self.page_size} tokens) "
                 f"cannot hold one sequence of max_seq_len={self.max_seq_len}"
+            )
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}"
+            )
+        if self.speculative is None:
+            return
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min={self.ngram_min} exceeds ngram_max={self.ngram_max}")
+        if self.speculative_max_batch > self.max_slots:
+            raise ValueError(
+                f"speculative_max_batch={self.speculative_max_batch} exceeds "
+                f"max_slots={self.max_slots}"
+            )
+        if self.speculative is not None and (self.tp > 1 or self.dp > 1):
+            raise ValueError(
+                f"speculative={self.speculative!r} runs on one device (got tp={self.tp}, "
+                f"dp={self.dp})"
             )
 
     @property

@@ -27,9 +27,10 @@ from jbatch.engine.core import engine_step, unpack_output
 from jbatch.engine.grammar import all_allowed
 from jbatch.engine.logprobs import HostTopLogprobs
 from jbatch.engine.precompile import compile_all
+from jbatch.engine.spec_step import engine_spec_step, pack_spec, unpack_spec
 from jbatch.engine.split_step import SplitPrograms
 from jbatch.engine.state import EngineState, init_state
-from jbatch.engine.step_input import StepInput, StepInputLayout, all_layouts
+from jbatch.engine.step_input import StepInput, StepInputLayout, all_layouts, spec_layouts
 from jbatch.models.config import ModelConfig
 
 
@@ -42,6 +43,9 @@ class StepResult:
     logprobs: np.ndarray
     top: HostTopLogprobs | None = None  # per slot (``logprobs.py``; None: a stand-in core)
     prompt_top: HostTopLogprobs | None = None  # per prompt-chunk row
+    # A speculative step's (tokens [G, K+1], logprobs [G, K+1], counts [G]) per group, in the
+    # order of its input's ``group_slots`` (``spec_step.py``); None for other steps.
+    spec: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 @dataclasses.dataclass
@@ -63,11 +67,12 @@ class EngineCore:
     def __post_init__(self):
         self.host = jax.devices("cpu")[0]
         self.layouts = all_layouts(self.cfg)
+        self.spec_layouts = spec_layouts(self.cfg)  # speculative decoding (spec_step.py)
         self._multiprocess = jax.process_count() > 1
         # Step inputs in flight (dispatch index, input) and spare ones per bucket pair; a step
         # with a dispatch index below ``_fetched`` has finished.
         self._used_inputs: collections.deque[tuple[int, StepInput]] = collections.deque()
-        self._spare_inputs: dict[tuple[int, int], list[StepInput]] = {}
+        self._spare_inputs: dict[tuple, list[StepInput]] = {}
         self._dispatched = self._fetched = 0
         self.programs_run: collections.Counter = collections.Counter()  # steps per bucket pair
         step_kwargs = dict(
@@ -90,9 +95,22 @@ class EngineCore:
 
         return run
 
+    def _packed_spec_step(self, layout: StepInputLayout, **step_kwargs):
+        def run(params, state, ints, floats, bitmask):
+            state, out, spec = engine_spec_step(
+                params, state, *layout.unpack(ints, floats), bitmask, **step_kwargs
+            )
+            return state, pack_spec(out, spec)
+
+        return run
+
     def _jit_single(self, step_kwargs: dict) -> None:
         jit = lambda layout: jax.jit(self._packed_step(layout, **step_kwargs), donate_argnums=1)
         self._steps = {key: jit(layout) for key, layout in self.layouts.items()}
+        spec = lambda layout: jax.jit(
+            self._packed_spec_step(layout, **step_kwargs), donate_argnums=1
+        )
+        self._steps.update({key: spec(layout) for key, layout in self.spec_layouts.items()})
         if self.cfg.structured_overlap:
             self.split = SplitPrograms(self.layouts, step_kwargs)
         self._swap_out = jax.jit(swap.swap_out, donate_argnums=0)
@@ -151,14 +169,18 @@ class EngineCore:
         a recycled input of that bucket whose step has finished (its buffers reset), else a
         fresh one. Steps run in dispatch order, so every step dispatched before the last one
         fetched is done reading its input."""
-        key = (rows, decode_rows)
+        return self._input(self.layouts[(rows, decode_rows)])
+
+    def new_spec_input(self, groups: int) -> StepInput:
+        """Empty host inputs for a speculative step of ``groups`` groups (as :meth:`new_input`)."""
+        return self._input(self.spec_layouts[("spec", groups)])
+
+    def _input(self, layout: StepInputLayout) -> StepInput:
         while self._used_inputs and self._used_inputs[0][0] < self._fetched:
             _, used = self._used_inputs.popleft()
             self._spare_inputs.setdefault(_key_of(used), []).append(used)
-        free = self._spare_inputs.get(key)
-        if free:
-            return self.layouts[key].reuse(free.pop())
-        return self.layouts[key].new()
+        free = self._spare_inputs.get(layout.key)
+        return layout.reuse(free.pop()) if free else layout.new()
 
     def step(
         self,
@@ -174,6 +196,11 @@ class EngineCore:
         state, packed = self._steps[key](params, state, inp.ints, inp.floats, self._mask(bitmask))
         self.programs_run[key] += 1
         return state, self._dispatched_step(inp, packed)
+
+    def spec_step(self, params: dict, state: EngineState, inp: StepInput, bitmask=None):
+        """Dispatch a speculative step (``spec_step.py``; an input of :meth:`new_spec_input`);
+        :meth:`fetch` returns its per-group results in ``StepResult.spec``."""
+        return self.step(params, state, inp, bitmask)
 
     def forward(self, params: dict, state: EngineState, inp: StepInput):
         """Dispatch the forward half of a step (``split_step.py``; ``structured_overlap``)."""
@@ -198,11 +225,17 @@ class EngineCore:
         # The host reads one copy of the replicated result (with several processes: its own).
         local = packed.addressable_shards[0].data if self._multiprocess else packed
         local.copy_to_host_async()
-        return _Pending(self._dispatched - 1, packed, local)
+        spec = None
+        if _key_of(inp)[0] == "spec":
+            spec = inp.batch.draft_tokens.shape[0], inp.batch.draft_tokens.shape[1] + 1
+        return _Pending(self._dispatched - 1, packed, local, spec)
 
     def fetch(self, pending: _Pending) -> StepResult:
         """Wait for a dispatched step's results."""
-        result = StepResult(*unpack_output(pending.local, self.cfg.max_slots))
+        packed, spec = np.asarray(pending.local), None
+        if pending.spec is not None:
+            spec, packed = unpack_spec(packed, *pending.spec)
+        result = StepResult(*unpack_output(packed, self.cfg.max_slots), spec=spec)
         # Its input may be recycled only once *every* device has finished the step: one
         # device's copy of the result can be ready while another still reads the input.
         jax.block_until_ready(pending.packed)
@@ -214,8 +247,10 @@ class EngineCore:
     ):
         """The step program of one bucket pair, lowered (for inspecting the compiled HLO);
         ``platforms`` (e.g. ``("tpu",)``) cross-lowers for other backends."""
-        inp = self.new_input(rows, decode_rows)
-        traced = self._steps[(rows, decode_rows)].trace(
+        return self._lower(params, state, self.new_input(rows, decode_rows), platforms)
+
+    def _lower(self, params: dict, state: EngineState, inp: StepInput, platforms=None):
+        traced = self._steps[_key_of(inp)].trace(
             params, state, inp.ints, inp.floats, self._allow_all
         )
         return traced.lower(lowering_platforms=platforms)
@@ -256,7 +291,11 @@ class EngineCore:
 
     def warmup(self, params: dict, state: EngineState) -> EngineState:
         """Compile every program the engine will ever run (one step per bucket pair)."""
-        compile_all([self.lower_step(params, state, *key) for key in self.layouts])
+        spec_inputs = [self.new_spec_input(g) for _, g in self.spec_layouts]
+        compile_all(
+            [self.lower_step(params, state, *key) for key in self.layouts]
+            + [self._lower(params, state, inp) for inp in spec_inputs]
+        )
         if self.cfg.swaps:
             state, saved = self.swap_out(state, 0, self.unused_pages())
             saved = self.to_device(self.to_host(saved))  # the round trip a swap makes
@@ -276,6 +315,10 @@ class EngineCore:
                 inp.release[:] = True
                 state, pending = self.sample(*self.forward(params, state, inp))
                 self.fetch(pending)
+        for inp in spec_inputs:
+            inp.release[:] = True
+            state, pending = self.spec_step(params, state, inp)
+            self.fetch(pending)
         self.programs_run.clear()
         return state
 
@@ -288,11 +331,13 @@ class _Pending:
     index: int
     packed: Int32[Array, " n"]
     local: Int32[Array, " n"]
+    spec: tuple[int, int] | None = None  # a speculative step's (groups, K + 1)
 
 
-def _key_of(inp: StepInput) -> tuple[int, int]:
-    """The (prefill rows, decode rows) bucket pair of a step input."""
-    return inp.batch.prefill_tokens.shape[0], inp.batch.decode_slots.shape[0]
+def _key_of(inp: StepInput) -> tuple:
+    """The program a step input feeds: its (prefill rows, decode rows) bucket pair, or
+    ``("spec", groups)``."""
+    return inp.layout.key
 
 
 @dataclasses.dataclass

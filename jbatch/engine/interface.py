@@ -46,6 +46,12 @@ class EngineStats:
     device_wait_seconds: float  # time ``step()`` blocked on device results
     constrained_steps: int  # steps that read the previous step first (structured output)
     bitmask_seconds: float  # host time filling token bitmasks (structured output)
+    # Speculative decoding: speculative steps, requests that had proposals in them (summed
+    # over steps), tokens proposed, proposals accepted.
+    spec_steps: int = 0
+    spec_groups: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # Per tenant (every tenant seen since the scheduler was built): served tokens, queue, slots.
     tenants: dict[str, TenantStats] = dataclasses.field(default_factory=dict)
 
@@ -53,6 +59,18 @@ class EngineStats:
     def host_only_seconds(self) -> float:
         """Host work in ``step()``: its wall time minus the time it waited for the device."""
         return self.host_seconds - self.device_wait_seconds
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Fraction of proposed tokens the target accepted."""
+        proposed = self.spec_proposed_tokens
+        return self.spec_accepted_tokens / proposed if proposed else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a request got per speculative step it had proposals in (accepted + 1)."""
+        groups = self.spec_groups
+        return (self.spec_accepted_tokens + groups) / groups if groups else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -37,7 +37,8 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from jbatch.engine import batch_builder, buckets, grammar, logprob_host, snapshot, stop_checker
+from jbatch.engine import batch_builder, grammar, logprob_host, snapshot, speculator, stop_checker
+from jbatch.engine.buckets import pick_handover_bucket
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.engine_core import EngineCore
 from jbatch.engine.interface import EngineStats, StepFailed
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 _COUNTERS = (
     "steps", "dispatches", "tokens", "prompt_tokens", "decode_rows", "swap_outs",
     "steps_while_queued", "busy_slots_while_queued", "constrained_steps",
+    "spec_steps", "spec_groups", "spec_proposed_tokens", "spec_accepted_tokens",
 )  # fmt: skip
 
 
@@ -106,6 +108,7 @@ class LLMEngine:
         self._failures = 0  # consecutive failed steps
         self.counters: collections.Counter = collections.Counter()  # see EngineStats
         self._token_texts = logprob_host.TokenTexts(tokenizer)  # Logprob.decoded_token
+        self._speculator = speculator.Speculator(cfg) if cfg.speculative else None
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -243,6 +246,10 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         outputs, early = [], []
+        spec = self._speculator is not None and self._speculator.wanted(self.scheduler)
+        if spec:  # synchronous (engine/speculator.py): every step in flight is processed first
+            outputs += self.drain()
+            spec = self._speculator.wanted(self.scheduler)
         lockstep = bool(self._inflight) and _constrained(self._inflight[-1][0])
         if lockstep:
             while len(self._inflight) > 1:
@@ -259,12 +266,13 @@ class LLMEngine:
                 early.append((prev, result, self._advance_grammars(prev, result.tokens)))
                 self.counters["constrained_steps"] += 1
 
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._speculator.propose if spec else None)
         split = lockstep and self.cfg.structured_overlap
         dispatched = self._dispatch(sched, feed_grammars, split)
         feed_grammars()  # if nothing was dispatched
         outputs += self._process_result(*early[0]) if early else []
-        keep = 1 if (dispatched and self.cfg.async_scheduling) else 0
+        overlap = self.cfg.async_scheduling and sched.drafts is None  # speculative: at once
+        keep = 1 if (dispatched and overlap) else 0
         while len(self._inflight) > keep:
             outputs += self._process(*self._inflight.popleft())
         if not (dispatched or sched.swap_ins or self._inflight) and self.scheduler.running:
@@ -286,7 +294,7 @@ class LLMEngine:
             counters["swap_outs"] += 1
             counters["dispatches"] += 1
         for seq, slot, pages in sched.handovers:  # stays on the device: handover.take_ready
-            n = buckets.pick_handover_bucket(self.cfg, len(pages))
+            n = pick_handover_bucket(self.cfg, len(pages))
             self.state, seq.swapped = core.swap_out(self.state, slot, self._pages(pages), n)
             self.handed_over.append(seq)
             counters["dispatches"] += 1
@@ -294,12 +302,18 @@ class LLMEngine:
         # Releases may wait for the next step (a released slot is never listed to decode), but
         # must land before a swap-in reuses their slot; inserts go out now.
         if work or sched.inserts or (sched.releases and sched.swap_ins):
-            inp = batch_builder.build_step_input(self.cfg, core, sched)
-            if split:  # the forward runs while the previous tokens reach the grammars
+            if sched.drafts is not None:  # a speculative step (engine/spec_step.py)
+                inp = batch_builder.build_spec_input(self.cfg, core, sched)
+                self.state, handle = core.spec_step(
+                    self.params, self.state, inp, self._bitmask(sched)
+                )
+            elif split:  # the forward runs while the previous tokens reach the grammars
+                inp = batch_builder.build_step_input(self.cfg, core, sched)
                 self.state, forwarded = core.forward(self.params, self.state, inp)
                 before_step()
                 self.state, handle = core.sample(self.state, forwarded, self._bitmask(sched))
             else:
+                inp = batch_builder.build_step_input(self.cfg, core, sched)
                 before_step()
                 self.state, handle = core.step(self.params, self.state, inp, self._bitmask(sched))
             self._inflight.append((sched, handle))
@@ -364,33 +378,38 @@ class LLMEngine:
             logprob_host.read_prompt(rows, result.prompt_top, self._token_texts)
         if not sched.samplers:
             return []
-        tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
         now = time.monotonic()
         results: list[tuple[Request, RequestOutput]] = []
-        for seq, slot in sched.samplers:
+        emitted = speculator.emitted(sched, result, self.scheduler, self.counters)
+        for (seq, toks), (_, slot) in zip(emitted, sched.samplers):
             seq.inflight -= 1
             if seq.finished:
                 continue  # finished by an earlier step's token, or aborted
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if seq.params.logprobs is not None:
-                lp = (tokens[slot], logprobs[slot], result.top, self._token_texts)
-                logprob_host.read_token(seq, slot, *lp)
-            done = stop_checker.append_token(seq, tokens[slot], logprobs[slot])
+            done, new = None, 0
+            for token, logprob in toks:  # several after a speculative step
+                if seq.params.logprobs is not None:  # (such requests never speculate)
+                    lp = (token, logprob, result.top, self._token_texts)
+                    logprob_host.read_token(seq, slot, *lp)
+                done, new = stop_checker.append_token(seq, token, logprob), new + 1
+                if done is not None:
+                    break
             end = ends.get(id(seq))
             if end is not None and (done is None or end[0] == "error"):
                 done, seq.error = (end[0], None), end[1]  # the grammar ended (or failed)
             if done is not None:
                 self.scheduler.finish(seq, *done)
-            out = self._output(seq)
+            out = self._output(seq, new)
             if out is not None:
                 results.append((seq, out))
-        self.counters["tokens"] += len(sched.samplers)
+            self.counters["tokens"] += new
         return merge_outputs(results)  # n > 1: one output per request, not per child
 
-    def _output(self, seq: Request) -> RequestOutput | None:
-        """This step's output for ``seq`` (None: a FINAL request still running). O(1) per token
-        for DELTA outputs; a FINAL output is assembled once, at the end."""
+    def _output(self, seq: Request, new: int = 1) -> RequestOutput | None:
+        """This step's output for ``seq``, which got ``new`` tokens (None: a FINAL request still
+        running). O(1) per token for DELTA outputs; a FINAL output is assembled once, at the
+        end."""
         finished = seq.finished
         delta_text = stop_checker.text_to_emit(seq, finished)
         if seq.output_kind is OutputKind.FINAL:
@@ -398,7 +417,7 @@ class LLMEngine:
                 return None
             text, ids, logprobs = "".join(seq.text_chunks), list(seq.output_ids), list(seq.logprobs)
         else:
-            text, ids, logprobs = delta_text, seq.output_ids[-1:], seq.logprobs[-1:]
+            text, ids, logprobs = delta_text, seq.output_ids[-new:], seq.logprobs[-new:]
         completion = CompletionOutput(
             seq.index, text, ids, seq.cumulative_logprob, logprobs, seq.finish_reason,
             seq.stop_reason, len(seq.output_ids), self._top_logprobs(seq, len(ids)),

@@ -84,6 +84,8 @@ class Request:
     # pages are registered in the prefix cache.
     page_hash_chain: list[bytes] = dataclasses.field(default_factory=list, repr=False)
     registered_pages: int = 0
+    # Speculative decoding: the stream as a numpy buffer (``ngram_proposer.TokenStream``).
+    token_stream: Any = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
@@ -97,6 +99,15 @@ class Request:
     def constrained(self) -> bool:
         """A running structured-output request: its grammar matcher masks what it samples."""
         return self.matcher is not None and not self.finished
+
+    @property
+    def speculates(self) -> bool:
+        """Whether speculative steps propose tokens for this request: it did not opt out, and
+        nothing it samples depends on the previous token on the host or the device (a grammar,
+        penalties) or asks for more than one row's top logprobs."""
+        p = self.params
+        plain = self.matcher is None and not p.uses_penalties and p.logprobs is None
+        return p.speculative and plain
 
     @property
     def prefilling(self) -> bool:

@@ -186,7 +186,7 @@ def argmax(x: Float[Array, "slots vocab"]) -> Int32[Array, " slots"]:
     return (b * BLOCK + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
 
 
-def _inverse_cdf(
+def inverse_cdf(
     masked: Float[Array, "slots vocab"], u: Float[Array, " slots"]
 ) -> Int32[Array, " slots"]:
     """Token with cumulative mass just above u * total, in two levels (blocks, then tokens)."""
@@ -232,17 +232,28 @@ def filtered_logits(
     return jnp.where(scaled >= thr[:, None], scaled, -jnp.inf)  # [S, V]
 
 
+def uniforms(
+    seed: UInt32[Array, " n"], step_index: Int32[Array, " n"], stream: int = 0
+) -> Float[Array, " n"]:
+    """One uniform per row from ``fold_in(key(seed), step_index)``; ``stream`` > 0 folds that
+    in too (independent draws at the same step: speculative decoding's residual and draft
+    draws, ``spec_verify.py``)."""
+
+    def one(seed: UInt32[Array, ""], step: Int32[Array, ""]) -> Float[Array, ""]:
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        return jax.random.uniform(jax.random.fold_in(key, stream) if stream else key)
+
+    return jax.vmap(one)(seed, step_index)
+
+
 def _random_tokens(
     x: Float[Array, "slots vocab"],
     sp: SlotSampling,
     step_index: Int32[Array, " slots"],
     greedy: Bool[Array, " slots"],
 ) -> Int32[Array, " slots"]:
-    def uniform(seed: UInt32[Array, ""], step: Int32[Array, ""]) -> Float[Array, ""]:
-        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step))
-
-    u = jax.vmap(uniform)(sp.seed, step_index)  # [S]
-    return _inverse_cdf(filtered_logits(x, sp, greedy), u)  # [S]
+    u = uniforms(sp.seed, step_index)  # [S]
+    return inverse_cdf(filtered_logits(x, sp, greedy), u)  # [S]
 
 
 def apply_bitmask(
@@ -253,6 +264,26 @@ def apply_bitmask(
     bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
     ok = bits.reshape(slots, -1)[:, :vocab] != 0  # [S, V]
     return jnp.where(ok, x, -jnp.inf)
+
+
+def processed_logits(
+    logits: Float[Array, "slots vocab"],
+    sp: SlotSampling,
+    prompt_mask: Bool[Array, "slots vocab"],
+    output_counts: Int32[Array, "slots vocab"],
+    allowed: Int32[Array, "slots words"] | None = None,
+) -> Float[Array, "slots vocab"]:
+    """Steps 1 and 1b of the module doc (penalties, then the structured-output bitmask), each
+    skipped at run time when no row needs it: the logits every later step starts from."""
+    pen = uses_penalties(sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty)
+    x = jax.lax.cond(
+        jnp.any(pen),
+        lambda: _apply_penalties(logits, sp, prompt_mask, output_counts),
+        lambda: logits,
+    )  # [S, V]
+    if allowed is not None:
+        x = jax.lax.cond(jnp.any(allowed != -1), apply_bitmask, lambda x, _: x, x, allowed)
+    return x
 
 
 def sample(
@@ -266,14 +297,7 @@ def sample(
     """Pick one token per slot; returns (token ids [S], raw-model logprob of each token [S]).
     ``allowed``: a token bitmask per slot (structured output; all ones = unconstrained)."""
     logits = logits.astype(jnp.float32)  # [S, V]
-    pen = uses_penalties(sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty)
-    x = jax.lax.cond(
-        jnp.any(pen),
-        lambda: _apply_penalties(logits, sp, prompt_mask, output_counts),
-        lambda: logits,
-    )  # [S, V]
-    if allowed is not None:
-        x = jax.lax.cond(jnp.any(allowed != -1), apply_bitmask, lambda x, _: x, x, allowed)
+    x = processed_logits(logits, sp, prompt_mask, output_counts, allowed)  # [S, V]
     greedy = is_greedy(sp.temperature)  # [S]
     greedy_tok = argmax(x)  # [S]
     tokens = jax.lax.cond(

@@ -69,6 +69,9 @@ class SchedulerOutput:
     prompt_logprob_rows: list[tuple[Request, int, int, int]] = dataclasses.field(
         default_factory=list
     )
+    # A speculative step (``spec_step.py``; decode only): each decode's proposals, in the order
+    # of ``decodes``; None for an ordinary step.
+    drafts: list[list[int]] | None = None
 
     @property
     def empty(self) -> bool:
@@ -188,10 +191,19 @@ class Scheduler:
         self._register_full_pages(seq, min(seq.num_tokens - 1, seq.num_computed))
 
     # ---- the step ------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, propose=None) -> SchedulerOutput:
+        """Plan one step. ``propose(seq, k) -> up to k tokens``: plan a speculative step
+        instead — decodes only, each with its proposals (pages for all of them, or for none)."""
         self.num_steps += 1
         out = SchedulerOutput()
         self.victim_order.begin_step(list(self.running.values()))
+        if propose is not None:
+            out.drafts = []
+            self._schedule_decodes(out, propose)
+            if not any(out.drafts):
+                out.drafts = None  # nothing to verify: an ordinary decode step
+            out.releases, self.pending_releases = self.pending_releases, []
+            return out
         if self.cfg.role == "prefill":
             self._schedule_handovers(out)
         else:
@@ -211,10 +223,11 @@ class Scheduler:
         self.victim_order.begin_step(list(self.running.values()))
         self._preempt(self._victim())
 
-    def _schedule_decodes(self, out: SchedulerOutput) -> None:
+    def _schedule_decodes(self, out: SchedulerOutput, propose=None) -> None:
         for seq in sorted(self.running.values(), key=self._victim_key):
             if seq.status is not RequestStatus.RUNNING or not seq.can_decode:
                 continue
+            drafts = self._drafts(seq, propose, out) if propose is not None else []
             while not self._grow(seq, seq.num_computed + 1, out):
                 victim = self._victim()
                 self._preempt(victim, out)
@@ -222,6 +235,8 @@ class Scheduler:
                     break
             if seq.status is RequestStatus.RUNNING:
                 out.decodes.append(seq)
+                if out.drafts is not None:
+                    out.drafts.append(drafts)
                 out.samplers.append((seq, seq.slot))
                 seq.num_computed += 1
                 seq.num_sampled += 1
@@ -237,6 +252,38 @@ class Scheduler:
             seq.swapped_pages = len(seq.pages)
             self._free_slot(seq)
             seq.status = RequestStatus.HANDED_OVER
+
+    def _drafts(self, seq: Request, propose, out: SchedulerOutput) -> list[int]:
+        """``seq``'s proposals for a speculative step, with pages for all of them (no pages
+        free: none; speculation never preempts anyone). At most K, and never past the
+        request's token budget or ``max_seq_len``."""
+        room = min(
+            self.cfg.num_speculative_tokens,
+            seq.max_tokens - seq.num_sampled - 1,
+            self.cfg.max_seq_len - seq.num_computed - 1,
+        )
+        drafts = propose(seq, room) if room > 0 else []
+        if not drafts:
+            return []
+        upto = seq.num_computed + 1 + len(drafts)
+        need = -(-upto // self.cfg.page_size) - len(seq.pages)
+        # Keep a page in reserve per running request, so the others' next tokens still fit.
+        if need > self.allocator.num_free - len(self.running):
+            return []
+        self._grow(seq, upto, out)
+        return drafts
+
+    def accept(self, seq: Request, extra: int) -> None:
+        """A speculative step emitted ``extra`` tokens for ``seq`` beyond the one it was planned
+        with: advance its counters, and return the pages past its new length (their K/V came
+        from rejected proposals; the next step allocates afresh)."""
+        seq.num_computed += extra
+        seq.num_sampled += extra
+        self.ledger.charge(seq.tenant, output=extra)
+        keep = -(-seq.num_computed // self.cfg.page_size)
+        if len(seq.pages) > keep:
+            self.allocator.free(seq.pages[keep:])
+            del seq.pages[keep:]
 
     def _schedule_chunk(self, seq: Request, budget: int, rows: int, out: SchedulerOutput):
         bq, page = self.cfg.block_q, self.cfg.page_size

@@ -61,7 +61,8 @@ class StepInput:
 class StepInputLayout:
     """Static packing of a ``(release, SlotInsert, StepBatch)`` pytree (see module doc)."""
 
-    def __init__(self, template: tuple[np.ndarray, Any, Any]):
+    def __init__(self, template: tuple[np.ndarray, Any, Any], key: tuple = ()):
+        self.key = key  # the program it feeds: (rows, decode_rows), or ("spec", groups)
         leaves, self.treedef = jax.tree.flatten(template)
         self.fields: list[_Field] = []
         sizes = [0, 0]
@@ -85,7 +86,17 @@ class StepInputLayout:
         release = np.zeros(cfg.max_slots, bool)
         batch = StepBatch.empty(cfg, rows, decode_rows)
         batch.decode_slots[:] = cfg.max_slots  # padding: the host lists the decoding slots
-        return cls((release, build_empty_insert(cfg), batch))
+        return cls((release, build_empty_insert(cfg), batch), (rows, decode_rows))
+
+    @classmethod
+    def for_spec_bucket(cls, cfg: EngineConfig, groups: int) -> StepInputLayout:
+        """The layout of speculative steps with ``groups`` groups (``spec_step.SpecBatch``)."""
+        from jbatch.engine.core import build_empty_insert
+        from jbatch.engine.spec_step import SpecBatch
+
+        release = np.zeros(cfg.max_slots, bool)
+        template = (release, build_empty_insert(cfg), SpecBatch.empty(cfg, groups))
+        return cls(template, ("spec", groups))
 
     def _views(self, buffers: tuple[np.ndarray, np.ndarray]) -> list[np.ndarray]:
         views = []
@@ -137,3 +148,8 @@ def all_layouts(cfg: EngineConfig) -> dict[tuple[int, int], StepInputLayout]:
         (rows, decode_rows): StepInputLayout.for_bucket(cfg, rows, decode_rows)
         for rows, decode_rows in buckets.bucket_pairs(cfg)
     }
+
+
+def spec_layouts(cfg: EngineConfig) -> dict[tuple[str, int], StepInputLayout]:
+    """A layout for every speculative group bucket (none when the engine does not speculate)."""
+    return {("spec", g): StepInputLayout.for_spec_bucket(cfg, g) for g in buckets.spec_buckets(cfg)}

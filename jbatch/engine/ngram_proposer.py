@@ -1,0 +1,58 @@
+"""N-gram (prompt lookup) proposals for speculative decoding: host-side numpy.
+
+For a request whose stream (prompt + outputs) ends in tokens ``t[-n:]``, find the latest
+earlier place where the same ``n`` tokens occur (the latest with ``k`` tokens after it, if
+any) and propose the (up to) ``k`` tokens that followed them there, trying ``n = ngram_max``
+down to ``ngram_min``. Outputs that copy spans of their prompt (edits, code refactors,
+quoting, extraction) are proposed correctly, run after run.
+
+Cost: one vectorized comparison of the stream against its tail per tried ``n`` — O(context)
+per request and step, with the stream kept in a growing numpy buffer (amortised O(1) per new
+token) rather than rebuilt from lists.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from jaxtyping import Int32
+
+
+class TokenStream:
+    """A request's prompt + outputs as a numpy buffer that grows by doubling."""
+
+    def __init__(self, prompt_ids: list[int]):
+        self._buf = np.zeros(max(16, 2 * len(prompt_ids)), np.int32)
+        self._buf[: len(prompt_ids)] = prompt_ids
+        self.size = len(prompt_ids)
+
+    def sync(self, output_ids: list[int], prompt_len: int) -> Int32[np.ndarray, " n"]:
+        """Append the outputs not copied yet; the stream as a view."""
+        new = output_ids[self.size - prompt_len :]
+        if new:
+            need = self.size + len(new)
+            if need > len(self._buf):
+                grown = np.zeros(2 * need, np.int32)
+                grown[: self.size] = self._buf[: self.size]
+                self._buf = grown
+            self._buf[self.size : need] = new
+            self.size = need
+        return self._buf[: self.size]
+
+
+def propose(stream: Int32[np.ndarray, " n"], k: int, ngram_min: int, ngram_max: int) -> list[int]:
+    """Up to ``k`` proposed next tokens for ``stream`` (module doc); [] when no n-gram recurs."""
+    size = len(stream)
+    if k <= 0:
+        return []
+    for n in range(min(ngram_max, size - 1), ngram_min - 1, -1):
+        tail = stream[size - n :]
+        # Windows starting at 0..size-n-1 (the tail itself excluded): a match at i is followed
+        # by stream[i + n], which exists.
+        windows = np.lib.stride_tricks.sliding_window_view(stream[: size - 1], n)
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if hits.size:
+            # The latest match followed by k whole tokens, else the latest match.
+            full = hits[hits + n + k <= size]
+            start = int(full[-1] if full.size else hits[-1]) + n
+            return stream[start : start + k].tolist()
+    return []

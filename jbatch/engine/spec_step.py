@@ -1,0 +1,179 @@
+"""The speculative step program: decode rows in groups of K + 1, verified on the device.
+
+A decode-only step in which slots speculate (``EngineConfig.speculative``). Its token buffer is
+``groups`` groups of ``K + 1`` decode rows (``K = num_speculative_tokens``; ``groups`` is a
+bucket of ``buckets.spec_buckets``):
+
+1. apply page-table writes (the host gave each group pages for all its rows);
+2. group ``g`` is slot ``group_slots[g]``: row 0 feeds its last token at position
+   ``seq_lens[slot]``, rows ``1..num_drafts[g]`` the proposals at the next positions, the rest
+   is padding (position -1). The model writes every row's K/V through the page table and each
+   row attends to the slot's pages up to its own position (``llama.forward``'s decode rows);
+3. the LM head runs on every row; ``spec_verify.verify`` accepts a prefix of the proposals
+   and draws the token after it (row 0 gets penalties and the token bitmask first: a slot with
+   either has no proposals);
+4. each slot advances by its emitted count: ``seq_lens`` (the last token and the accepted
+   proposals now have valid K/V; the rejected rows' K/V is overwritten later), ``tokens``
+   (the last emitted), ``num_generated`` and the output counts.
+
+A slot with no proposals (``num_drafts`` 0) decodes exactly as in an ordinary step. The result is
+packed ahead of an ordinary :class:`core.StepOutput` (row 0 of each slot: its first emitted
+token, logprob and top logprobs), so the host reads both with one copy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jaxtyping import Array, Bool, Float, Int32
+
+from jbatch.engine import buckets
+from jbatch.engine.config import EngineConfig
+from jbatch.engine.core import StepOutput, insert, release
+from jbatch.engine.logprobs import TopLogprobs, sampled_top_logprobs
+from jbatch.engine.sampler import processed_logits
+from jbatch.engine.spec_verify import emitted_logprobs, verify
+from jbatch.engine.state import EngineState
+from jbatch.models.config import ModelConfig
+from jbatch.models.llama import compute_logits, forward
+
+
+@struct.dataclass
+class SpecBatch:
+    """Host inputs of a speculative step (padding groups: slot ``max_slots``)."""
+
+    group_slots: Int32[Array, " groups"]
+    num_drafts: Int32[Array, " groups"]  # proposals of the group (0..K)
+    draft_tokens: Int32[Array, "groups k"]
+    write_slots: Int32[Array, " writes"]
+    write_index: Int32[Array, " writes"]
+    write_pages: Int32[Array, " writes"]
+    want_top_logprobs: Bool[Array, " slots"]
+
+    @classmethod
+    def empty(cls, cfg: EngineConfig, groups: int) -> SpecBatch:
+        allowed = buckets.spec_buckets(cfg)
+        if groups not in allowed:
+            raise ValueError(f"groups={groups} is not a speculative bucket {allowed}")
+        s, k, w = cfg.max_slots, cfg.num_speculative_tokens, buckets.max_spec_page_writes(cfg)
+        return cls(
+            group_slots=np.full(groups, s, np.int32),
+            num_drafts=np.zeros(groups, np.int32),
+            draft_tokens=np.zeros((groups, k), np.int32),
+            write_slots=np.full(w, s, np.int32),
+            write_index=np.zeros(w, np.int32),
+            write_pages=np.zeros(w, np.int32),
+            want_top_logprobs=np.zeros(s, bool),
+        )
+
+
+@struct.dataclass
+class SpecOutput:
+    """Per group: the emitted tokens (valid up to ``count``), their logprobs, the count."""
+
+    tokens: Int32[Array, "groups k1"]
+    logprobs: Float[Array, "groups k1"]
+    count: Int32[Array, " groups"]
+
+
+def spec_step(
+    params: dict,
+    state: EngineState,
+    batch: SpecBatch,
+    token_bitmask: Int32[Array, "slots words"] | None = None,
+    *,
+    model_cfg: ModelConfig,
+    block_q: int,
+    attn_impl: str = "auto",
+) -> tuple[EngineState, StepOutput, SpecOutput]:
+    """One speculative step (module doc)."""
+    s = state.max_slots
+    g, k = batch.draft_tokens.shape
+    k1 = k + 1
+    page_tables = state.page_tables.at[batch.write_slots, batch.write_index].set(
+        batch.write_pages, mode="drop"
+    )
+    gs = batch.group_slots
+    gs_c = jnp.clip(gs, 0, s - 1)  # [G]
+    live = (gs < s) & state.decode_mask[gs_c]  # [G]
+    num_drafts = jnp.where(live, jnp.clip(batch.num_drafts, 0, k), 0)  # [G]
+    j = jnp.arange(k1, dtype=jnp.int32)[None, :]  # [1, K1]
+    rows_on = live[:, None] & (j <= num_drafts[:, None])  # [G, K1]
+    tokens = jnp.concatenate([state.tokens[gs_c][:, None], batch.draft_tokens], axis=1)
+    positions = jnp.where(rows_on, state.seq_lens[gs_c][:, None] + j, -1)  # [G, K1]
+    slots = jnp.broadcast_to(gs_c[:, None], (g, k1))
+    hidden, cache = forward(
+        params, model_cfg, state.cache, tokens.ravel(), positions.ravel(), slots.ravel(),
+        page_tables, num_decode=g * k1, block_q=block_q, attn_impl=attn_impl,
+    )  # fmt: skip
+    logits = compute_logits(params, hidden, model_cfg).reshape(g, k1, -1)  # [G, K1, V]
+
+    sp = jax.tree.map(lambda a: a[gs_c], state.sampling)
+    allowed = None if token_bitmask is None else token_bitmask[gs_c]
+    row0 = processed_logits(
+        logits[:, 0], sp, state.prompt_mask[gs_c], state.output_counts[gs_c], allowed
+    )  # [G, V]
+    x = logits.at[:, 0].set(row0)
+    emitted, count = verify(x, batch.draft_tokens, num_drafts, sp, state.num_generated[gs_c])
+    count = jnp.where(live, count, 0)  # [G]
+    logprobs = emitted_logprobs(logits, emitted)  # [G, K1]
+
+    # Advance each slot by its emitted count (padding groups scatter to slot S: dropped).
+    target = jnp.where(live, gs, s)  # [G]
+    advance = jnp.zeros(s, jnp.int32).at[target].add(count, mode="drop")  # [S]
+    last = emitted[jnp.arange(g), jnp.maximum(count - 1, 0)]  # [G]
+    emitted_on = j < count[:, None]  # [G, K1]
+    counts = state.output_counts.at[jnp.where(emitted_on, target[:, None], s), emitted].add(
+        1, mode="drop"
+    )
+    new_state = state.replace(
+        cache=cache,
+        page_tables=page_tables,
+        tokens=state.tokens.at[target].set(last, mode="drop"),
+        seq_lens=state.seq_lens + advance,
+        num_generated=state.num_generated + advance,
+        output_counts=counts,
+    )
+    per_slot = lambda a: jnp.zeros((s, *a.shape[1:]), a.dtype).at[target].set(a, mode="drop")
+    want = batch.want_top_logprobs[gs_c] & live
+    top = sampled_top_logprobs(logits[:, 0], emitted[:, 0], want)  # [G] rows
+    out = StepOutput(
+        tokens=per_slot(emitted[:, 0]),
+        sampled=per_slot(live),
+        logprobs=per_slot(logprobs[:, 0]),
+        top=jax.tree.map(per_slot, top),
+        prompt_top=TopLogprobs.zeros(0),
+    )
+    return new_state, out, SpecOutput(emitted, logprobs, count)
+
+
+def engine_spec_step(
+    params: dict,
+    state: EngineState,
+    release_mask: Bool[Array, " slots"],
+    ins,
+    batch: SpecBatch,
+    token_bitmask: Int32[Array, "slots words"] | None = None,
+    **step_kwargs,
+) -> tuple[EngineState, StepOutput, SpecOutput]:
+    """Release, insert (as ``core.engine_step``), then :func:`spec_step`."""
+    state = insert(release(state, release_mask), ins)
+    return spec_step(params, state, batch, token_bitmask, **step_kwargs)
+
+
+def pack_spec(out: StepOutput, spec: SpecOutput) -> Int32[Array, " n"]:
+    """The speculative extras (tokens, logprob bits, counts), then ``out.packed()``."""
+    bits = jax.lax.bitcast_convert_type(spec.logprobs.astype(jnp.float32), jnp.int32)
+    return jnp.concatenate([spec.tokens.ravel(), bits.ravel(), spec.count, out.packed()])
+
+
+def unpack_spec(packed: np.ndarray, groups: int, k1: int):
+    """Host side of :func:`pack_spec`: ((tokens [G, K1], logprobs [G, K1], counts [G]), the
+    ordinary packed result)."""
+    n = groups * k1
+    tokens = packed[:n].reshape(groups, k1)
+    logprobs = packed[n : 2 * n].view(np.float32).reshape(groups, k1)
+    counts = packed[2 * n : 2 * n + groups]
+    return (tokens, logprobs, counts), packed[2 * n + groups :]

@@ -1,0 +1,160 @@
+"""Speculative decoding end to end (n-gram proposals): greedy output is HF's, architecture by
+architecture, under preemption, swap and prefix caching; no recompiles whatever the mix of
+speculating and non-speculating requests; deterministic seeded sampling; no page leaks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jbatch import LLM, SamplingParams
+from tests.compile_counter import count_compiles
+from tests.test_engine import assert_drained, assert_teacher_forced
+
+SPEC = dict(
+    max_slots=4,
+    page_size=8,
+    num_pages=64,
+    max_num_batched_tokens=32,
+    max_seq_len=192,
+    block_q=16,
+    speculative="ngram",
+    num_speculative_tokens=3,
+    speculative_max_batch=4,
+    ngram_min=1,
+    ngram_max=3,
+    preemption_mode="swap",
+    debug_checks=True,
+)
+# The other architectures: the fewest programs that still speculate (one slot, one group).
+SMALL = {**SPEC, "max_slots": 1, "speculative_max_batch": 1, "max_num_batched_tokens": 16}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def repetitive_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a random span (so proposals exist from the first step)."""
+    rng = np.random.RandomState(seed)
+    out = []
+    for _ in range(n):
+        span = rng.randint(3, vocab, int(rng.randint(3, 9))).tolist()
+        out.append(rng.randint(3, vocab, int(rng.randint(1, 12))).tolist() + span * 3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def spec_llama(hf_checkpoint):
+    path, model = hf_checkpoint("llama")
+    return LLM(path, **SPEC), model
+
+
+@pytest.mark.parametrize(
+    "variant", ["llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "phi3"]
+)
+def test_greedy_speculative_output_is_hfs(variant, hf_checkpoint, spec_llama):
+    path, model = hf_checkpoint(variant)
+    llm = spec_llama[0] if variant == "llama" else LLM(path, **SMALL)
+    n = 6 if variant == "llama" else 3
+    prompts = repetitive_prompts(llm.engine.model_cfg.vocab_size, n, seed=len(variant))
+    before = llm.engine.stats()
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+        assert_teacher_forced(model, prompt, out.outputs[0].token_ids)
+    stats = llm.engine.stats()
+    assert stats.spec_steps > before.spec_steps
+    assert stats.spec_accepted_tokens > before.spec_accepted_tokens, "nothing was accepted"
+    assert_drained(llm)
+
+
+def test_speculation_under_swap_preemption_and_prefix_cache(spec_llama):
+    """A workload larger than the pool (swap preemption) sharing a system prefix: HF's tokens,
+    pages swapped and reused, none leaked, nothing compiled."""
+    llm, model = spec_llama
+    rng = np.random.RandomState(4)
+    system = rng.randint(3, 384, 16).tolist()
+    own = lambda: rng.randint(3, 384, 30).tolist()
+    prompts = [system + own() + p for p in repetitive_prompts(384, 8, seed=5)]
+    params = [GREEDY.replace(max_tokens=int(m)) for m in rng.randint(90, 100, len(prompts))]
+    with count_compiles() as compiled:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert compiled == [], f"compiled after warm-up: {compiled}"
+    for prompt, out in zip(prompts, outs):
+        assert_teacher_forced(model, prompt, out.outputs[0].token_ids)
+    stats = llm.engine.stats()
+    assert stats.swap_outs > 0 and stats.prefix_cache_hits > 0 and stats.spec_accepted_tokens > 0
+    assert_drained(llm)
+
+
+def test_any_mix_of_requests_compiles_nothing_and_sampling_is_deterministic(spec_llama):
+    """Greedy, seeded sampled, penalised, logprob and opted-out requests side by side; the
+    same workload twice gives the same tokens; no program is compiled after warm-up."""
+    llm, _ = spec_llama
+    prompts = repetitive_prompts(384, 8, seed=7)
+    base = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = [
+        base.replace(temperature=0.0),
+        base.replace(temperature=0.8, seed=1),
+        base.replace(temperature=1.0, top_k=5, seed=2),
+        base.replace(temperature=0.0, presence_penalty=0.5),
+        base.replace(temperature=0.0, logprobs=2),
+        base.replace(temperature=0.0, speculative=False),
+        base.replace(temperature=0.7, top_p=0.9, seed=3),
+        base.replace(temperature=0.0, stop_token_ids=[7]),
+    ]
+    with count_compiles() as compiled:
+        first = llm.generate(prompts, params, use_tqdm=False)
+        second = llm.generate(prompts, params, use_tqdm=False)
+    assert compiled == [], f"compiled after warm-up: {compiled}"
+    for a, b in zip(first, second):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert len(first[4].outputs[0].logprobs) == 24  # one logprob dict per token
+    plain = llm.engine.core.programs_run
+    assert any(key[0] == "spec" for key, n in plain.items() if n)
+    assert_drained(llm)
+
+
+def test_opted_out_and_penalised_requests_are_decoded_as_without_speculation(
+    spec_llama, hf_checkpoint
+):
+    llm, model = spec_llama
+    prompts = repetitive_prompts(384, 2, seed=8)
+    before = llm.engine.stats().spec_proposed_tokens
+    outs = llm.generate(prompts, GREEDY.replace(speculative=False), use_tqdm=False)
+    assert llm.engine.stats().spec_proposed_tokens == before
+    for prompt, out in zip(prompts, outs):
+        assert_teacher_forced(model, prompt, out.outputs[0].token_ids)
+
+
+def test_stop_conditions_cut_an_accepted_run(spec_llama):
+    """A stop token or max_tokens inside an accepted run ends the output exactly there."""
+    llm, _ = spec_llama
+    prompt = repetitive_prompts(384, 1, seed=9)[0]
+    full = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop = full[10]
+    cut = llm.generate([prompt], GREEDY.replace(stop_token_ids=[stop]), use_tqdm=False)[0]
+    assert cut.outputs[0].token_ids == full[: full.index(stop) + 1]
+    assert cut.outputs[0].finish_reason == "stop"
+    for m in (1, 2, 5, 13):
+        short = llm.generate([prompt], GREEDY.replace(max_tokens=m), use_tqdm=False)[0]
+        assert short.outputs[0].token_ids == full[:m]
+    assert_drained(llm)
+
+
+def test_no_page_leaks_after_many_speculative_requests_with_aborts(spec_llama):
+    llm, _ = spec_llama
+    engine = llm.engine
+    rng = np.random.RandomState(11)
+    prompts = repetitive_prompts(384, 40, seed=12)
+    live: list[str] = []
+    for i in range(1000):
+        p = GREEDY.replace(max_tokens=int(rng.randint(1, 12)))
+        live.append(engine.add_request(prompts[i % len(prompts)], p))
+        if rng.rand() < 0.5:
+            engine.step()
+        if rng.rand() < 0.15:
+            engine.abort_request(live[rng.randint(len(live))])
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.forget_finished()
+    assert engine.stats().spec_accepted_tokens > 0
+    assert_drained(llm)
