@@ -58,6 +58,10 @@ SURFACE_RULES: dict[str, dict[str, Rule]] = {
         "max_tokens": Rule("a longer default than 16 to see what a model writes", default=64),
         "temperature": Rule("greedy by default: one command, one output", default=0.0),
         "structured": hidden("a JSON Schema or grammar does not fit a flag; use the Python API"),
+        "speculative": hidden(
+            "--speculative is the engine's method (EngineConfig.speculative): a CLI run opts out "
+            "by leaving that off"
+        ),
     },
     "grpc": {
         "n": hidden(
