@@ -254,6 +254,7 @@ async def _complete_all(target, prompts, max_tokens):
         return await asyncio.gather(*calls)
 
 
+@pytest.mark.slow
 def test_two_processes_match_a_mixed_engine(two_servers):
     ckpt, _, prefill = two_servers
     rng = random.Random(3)
@@ -272,6 +273,30 @@ def test_two_processes_match_a_mixed_engine(two_servers):
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 6
 
 
+@pytest.mark.slow
+def test_logprobs_and_structured_output_cross_the_handover(two_servers):
+    from jbatch.structured_output import StructuredOutput
+
+    _, _, prefill = two_servers
+
+    async def run():
+        async with GenerationClient(prefill[1]) as client:
+            sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+            with_logprobs = [r async for r in client.generate([7, 8, 9, 10], sp, timeout=60)]
+            choices = ["alpha beta gamma delta", "epsilon zeta eta theta"]  # several tokens each
+            choice = StructuredOutput(choice=choices)
+            sp = SamplingParams(temperature=0.0, max_tokens=20, structured=choice)
+            text = (await client.complete("Pick one:", sp, timeout=60)).text
+        return with_logprobs, text, choices
+
+    responses, text, choices = asyncio.run(run())
+    assert sum(len(r.token_ids) for r in responses) == 6
+    assert all(len(r.logprobs) == len(r.token_ids) for r in responses)
+    assert all(len(p.top) == 2 for r in responses for p in r.logprobs)
+    assert text in choices  # the grammar was rebuilt on the decode server
+
+
+@pytest.mark.slow
 def test_a_decode_server_refuses_plain_requests(two_servers):
     _, decode, _ = two_servers
     with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -293,6 +318,7 @@ def _eventually(check, timeout: float = 10.0) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_a_cancelled_stream_frees_the_decode_pages(two_servers):
     _, decode, prefill = two_servers
 
@@ -311,6 +337,7 @@ def test_a_cancelled_stream_frees_the_decode_pages(two_servers):
     assert _metric(prefill[2], "jbatch_kv_pages_used") == 0
 
 
+@pytest.mark.slow
 def test_a_killed_decode_server_fails_requests_unavailable(two_servers):
     _, decode, prefill = two_servers
 
