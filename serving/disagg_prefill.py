@@ -17,10 +17,12 @@ streams. Per request:
    ``RequestOutput`` of the original request, returned by the next ``step()``. The prefill
    server proxies the stream (simplest correct design: one client connection, one API).
 
-Faults: a decode peer that fails (dies, or ends the call) mid-handover or mid-stream fails the
-request with UNAVAILABLE (``RequestOutput.error_kind``; not re-run: the client already has
-tokens); no peer reachable: UNAVAILABLE at once, never a hang. gRPC calls run on a private
-event loop thread; the engine thread never waits on the network.
+Faults: a peer that refuses or fails a handover before sending anything (UNAVAILABLE: down,
+draining; RESOURCE_EXHAUSTED: queue full) is skipped and the next peer tried with a fresh offer
+of the same copy. A peer that fails after its first output (dies mid-stream) fails the request
+with UNAVAILABLE (``RequestOutput.error_kind``; not re-run: the client already has tokens); no
+peer reachable: UNAVAILABLE at once, never a hang. gRPC calls run on a private event loop
+thread; the engine thread never waits on the network.
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ from serving.proto.jbatch.v1 import disaggregation_pb2_grpc as pb_grpc
 
 POLL_SECONDS = 0.5  # how often each peer's PoolStatus is read
 _IDLE_WAIT_S = 0.005  # step() with only relays in flight waits this long for their outputs
+_RETRY_ON_ANOTHER_PEER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Peer:
     address: str
     stub: pb_grpc.DisaggregationStub
@@ -90,6 +93,7 @@ class RemoteDecodeEngine:
         self._peers = self._on_loop(self._connect(list(peers)))
         self._poller = asyncio.run_coroutine_threadsafe(self._poll_forever(), self._loop)
         self.handovers = 0
+        self.retries = 0  # handovers a peer refused before its first output, tried elsewhere
 
     def _on_loop(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -115,9 +119,9 @@ class RemoteDecodeEngine:
             await asyncio.sleep(POLL_SECONDS)
             await asyncio.gather(*(self._poll(p) for p in self._peers))
 
-    def pick_peer(self) -> _Peer | None:
-        """The reachable peer with the most free pages (None: none reachable)."""
-        alive = [p for p in self._peers if p.free_pages is not None]
+    def pick_peer(self, exclude: Sequence[_Peer] = ()) -> _Peer | None:
+        """The reachable peer (not in ``exclude``) with the most free pages (None: none)."""
+        alive = [p for p in self._peers if p.free_pages is not None and p not in exclude]
         return max(alive, key=lambda p: p.free_pages) if alive else None
 
     # ---- EngineClient --------------------------------------------------------------------------
@@ -134,8 +138,7 @@ class RemoteDecodeEngine:
             self.engine.abort_request(request_id)
         elif not relay.done:
             relay.done = True
-            if relay.future is not None:
-                relay.future.cancel()  # cancels the call: the peer aborts and frees its pages
+            relay.future.cancel()  # cancels the call: the peer aborts and frees its pages
 
     def forget(self, request_id: str) -> bool:
         relay = self._relays.get(request_id)
@@ -196,35 +199,44 @@ class RemoteDecodeEngine:
 
     # ---- handing over --------------------------------------------------------------------------
     def _hand_over(self, record: handover.HandoverRecord, saved) -> None:
-        rid = record.request_id
-        peer = self.pick_peer()
-        if peer is None:
-            self._outputs.put(_failed(record, "no decode peer is reachable"))
-            self._relays[rid] = _Relay(record, None, done=False)
-            return
-        uuid, specs = self.transfer.offer(saved)
-        msg = pb.HandoverRequest(
-            request_id=rid, transfer_address=self.transfer.address, transfer_uuid=uuid,
-            num_pages=record.num_pages, record_json=record_to_json(record),
-            arrays=[pb.ArraySpec(shape=s, dtype=d) for s, d in specs],
-        )  # fmt: skip
-        peer.free_pages -= record.num_pages  # until the next poll
-        future = asyncio.run_coroutine_threadsafe(self._relay(peer, msg, record), self._loop)
-        self._relays[rid] = _Relay(record, future)
+        future = asyncio.run_coroutine_threadsafe(self._relay(record, saved), self._loop)
+        self._relays[record.request_id] = _Relay(record, future)
         self.handovers += 1
 
-    async def _relay(self, peer: _Peer, msg: pb.HandoverRequest, record) -> None:
-        """Relay the peer's stream into outputs of the request (on the peers' loop)."""
-        try:
-            async for out in peer.stub.Handover(msg, metadata=self._metadata):
-                self._outputs.put(_output(record, out))
-                if out.finish_reason:
-                    return
-            self._outputs.put(_failed(record, f"decode peer {peer.address} ended the stream"))
-        except grpc.aio.AioRpcError as e:
-            kind = "unavailable" if e.code() == grpc.StatusCode.UNAVAILABLE else e.code().name
-            detail = f"decode peer {peer.address}: {e.code().name}: {e.details()}"
-            self._outputs.put(_failed(record, detail, kind.lower()))
+    async def _relay(self, record: handover.HandoverRecord, saved) -> None:
+        """Hand ``record`` over and relay the peer's stream into outputs of the request (on the
+        peers' loop). A peer that refuses or fails before its first output (UNAVAILABLE, or
+        RESOURCE_EXHAUSTED: a full queue) is skipped and the next one tried with a fresh offer
+        of the same copy; after the first output a failure ends the request."""
+        tried: list[_Peer] = []
+        while (peer := self.pick_peer(exclude=tried)) is not None:
+            tried.append(peer)
+            uuid, specs = self.transfer.offer(saved)
+            msg = pb.HandoverRequest(
+                request_id=record.request_id, transfer_address=self.transfer.address,
+                transfer_uuid=uuid, num_pages=record.num_pages,
+                record_json=record_to_json(record),
+                arrays=[pb.ArraySpec(shape=s, dtype=d) for s, d in specs],
+            )  # fmt: skip
+            peer.free_pages -= record.num_pages  # until the next poll
+            started = False
+            try:
+                async for out in peer.stub.Handover(msg, metadata=self._metadata):
+                    started, saved = True, None  # the peer has the request: drop the copy
+                    self._outputs.put(_output(record, out))
+                    if out.finish_reason:
+                        return
+                self._outputs.put(_failed(record, f"decode peer {peer.address} ended the stream"))
+                return
+            except grpc.aio.AioRpcError as e:
+                if not started and e.code() in _RETRY_ON_ANOTHER_PEER:
+                    self.retries += 1
+                    continue
+                kind = "unavailable" if e.code() == grpc.StatusCode.UNAVAILABLE else e.code().name
+                detail = f"decode peer {peer.address}: {e.code().name}: {e.details()}"
+                self._outputs.put(_failed(record, detail, kind.lower()))
+                return
+        self._outputs.put(_failed(record, "no decode peer is reachable"))
 
 
 def _output(record: handover.HandoverRecord, out: pb.HandoverOutput) -> RequestOutput:

@@ -9,6 +9,7 @@ simulated CPU devices (``tests/disagg_worker.py``), started once for the module.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -32,6 +33,8 @@ from jbatch.engine.mock_core import MockCore
 from jbatch.outputs import OutputKind
 from jbatch.parallel.disaggregated import DisaggregatedEngine
 from serving.client import GenerationClient
+from serving.proto.jbatch.v1 import disaggregation_pb2 as disagg_pb
+from serving.proto.jbatch.v1 import disaggregation_pb2_grpc as disagg_grpc
 from tests.disagg_worker import NUM_REQUESTS
 from tests.hf_models import make_checkpoint
 
@@ -215,21 +218,43 @@ def _wait_serving(target: str, timeout: float = 240.0) -> None:
     raise AssertionError(f"{target} did not become SERVING")
 
 
+class _RefusingPeer(disagg_grpc.DisaggregationServicer):
+    """A decode peer that reports the most free pages and refuses every handover: each request
+    is offered here first, then handed over to the real decode server (the retry path)."""
+
+    def __init__(self):
+        self.refused = 0
+
+    def PoolStatus(self, request, context):
+        return disagg_pb.PoolStatusResponse(free_pages=1 << 30, total_pages=1 << 30)
+
+    def Handover(self, request, context):
+        self.refused += 1
+        context.abort(grpc.StatusCode.UNAVAILABLE, "a refusing peer (test)")
+        yield  # a server-streaming handler
+
+
 @pytest.fixture(scope="module")
 def two_servers(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("disagg_llama")
     make_checkpoint("llama", ckpt)
+    refusing = _RefusingPeer()
+    fake = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+    disagg_grpc.add_DisaggregationServicer_to_server(refusing, fake)
+    fake_peer = f"127.0.0.1:{fake.add_insecure_port('127.0.0.1:0')}"
+    fake.start()
     procs = []
     try:
         decode = _start(ckpt, "--role", "decode", "--num-pages", "40")
         procs.append(decode[0])
-        prefill = _start(ckpt, "--role", "prefill", "--num-pages", "64",
-                         "--decode-peers", decode[1])  # fmt: skip
+        peers = f"{decode[1]},{fake_peer}"
+        prefill = _start(ckpt, "--role", "prefill", "--num-pages", "64", "--decode-peers", peers)
         procs.append(prefill[0])
         _wait_serving(decode[1])
         _wait_serving(prefill[1])
-        yield ckpt, decode, prefill
+        yield ckpt, decode, prefill, refusing
     finally:
+        fake.stop(0)
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -256,7 +281,7 @@ async def _complete_all(target, prompts, max_tokens):
 
 @pytest.mark.slow
 def test_two_processes_match_a_mixed_engine(two_servers):
-    ckpt, _, prefill = two_servers
+    ckpt, _, prefill, refusing = two_servers
     rng = random.Random(3)
     shared = [rng.randrange(3, 384) for _ in range(12)]
     prompts = [
@@ -267,6 +292,7 @@ def test_two_processes_match_a_mixed_engine(two_servers):
     assert [c.token_ids for c in got] == _mixed_tokens(ckpt, prompts, max_tokens)
     assert [c.completion_tokens for c in got] == max_tokens
     assert all(c.finish_reason == "length" for c in got)
+    assert refusing.refused >= 7  # each handover was refused there first, then went elsewhere
     # The HTTP API of the prefill server streams from the decode server the same way.
     body = {"prompt": "hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     resp = httpx.post(prefill[2] + "/v1/completions", json=body, timeout=60)
@@ -277,7 +303,7 @@ def test_two_processes_match_a_mixed_engine(two_servers):
 def test_logprobs_and_structured_output_cross_the_handover(two_servers):
     from jbatch.structured_output import StructuredOutput
 
-    _, _, prefill = two_servers
+    _, _, prefill, _ = two_servers
 
     async def run():
         async with GenerationClient(prefill[1]) as client:
@@ -298,7 +324,7 @@ def test_logprobs_and_structured_output_cross_the_handover(two_servers):
 
 @pytest.mark.slow
 def test_a_decode_server_refuses_plain_requests(two_servers):
-    _, decode, _ = two_servers
+    _, decode, _, _ = two_servers
     with pytest.raises(grpc.aio.AioRpcError) as info:
         asyncio.run(_complete_all(decode[1], [[3, 4, 5]], [4]))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -320,7 +346,7 @@ def _eventually(check, timeout: float = 10.0) -> bool:
 
 @pytest.mark.slow
 def test_a_cancelled_stream_frees_the_decode_pages(two_servers):
-    _, decode, prefill = two_servers
+    _, decode, prefill, _ = two_servers
 
     async def cancel_after_two_tokens() -> int:
         received = 0
@@ -339,7 +365,7 @@ def test_a_cancelled_stream_frees_the_decode_pages(two_servers):
 
 @pytest.mark.slow
 def test_a_killed_decode_server_fails_requests_unavailable(two_servers):
-    _, decode, prefill = two_servers
+    _, decode, prefill, _ = two_servers
 
     async def killed_mid_stream():
         async with GenerationClient(prefill[1]) as client:
