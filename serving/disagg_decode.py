@@ -30,6 +30,7 @@ from serving.proto.jbatch.v1 import disaggregation_pb2 as pb
 from serving.proto.jbatch.v1 import disaggregation_pb2_grpc as pb_grpc
 
 PULL_TIMEOUT_S = 30.0  # a handover whose KV pages take longer fails with UNAVAILABLE
+PULLED = (("jbatch-kv-pulled", "1"),)  # trailing metadata of a call whose KV was pulled
 
 
 def output_of(delta) -> pb.HandoverOutput:
@@ -71,19 +72,20 @@ class DisaggregationService(pb_grpc.DisaggregationServicer):
             record = record_from_json(request.record_json)
             specs = [(tuple(a.shape), a.dtype) for a in request.arrays]
             saved = await self._pull(request, specs)
+            context.set_trailing_metadata(PULLED)  # the prefill server need not withdraw it
             admit = lambda engine, rid: handover.admit(
                 engine, dataclasses.replace(record, request_id=rid), saved
             )
             stream = thread.adopt(admit)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), _trailing(context))
         except ServingError as e:
-            await context.abort(e.status.grpc_code, e.message)
+            await context.abort(e.status.grpc_code, e.message, _trailing(context))
         try:
             async for delta in stream:
                 yield output_of(delta)
         except ServingError as e:
-            await context.abort(e.status.grpc_code, e.message)
+            await context.abort(e.status.grpc_code, e.message, _trailing(context))
         finally:
             stream.abort()  # the prefill server cancelled or went away: free the pages
 
@@ -94,11 +96,9 @@ class DisaggregationService(pb_grpc.DisaggregationServicer):
         pull, layout = self._transfer.pull, self._layout
         template = layout.template(request.num_pages)  # ValueError: too many pages
         args = (request.transfer_address, request.transfer_uuid, specs, template, layout.sharding)
+        pulled = lambda: jax.block_until_ready(pull(*args))  # pull blocks if no such offer
         try:
-            saved = await asyncio.to_thread(pull, *args)
-            return await asyncio.wait_for(
-                asyncio.to_thread(jax.block_until_ready, saved), PULL_TIMEOUT_S
-            )
+            return await asyncio.wait_for(asyncio.to_thread(pulled), PULL_TIMEOUT_S)
         except (TimeoutError, RuntimeError) as e:  # JaxRuntimeError: the peer went away
             msg = f"pulling the KV pages from {request.transfer_address} failed: {e!r}"
             raise ServingError(Status.UNAVAILABLE, msg) from None
@@ -109,7 +109,7 @@ class DisaggregationService(pb_grpc.DisaggregationServicer):
         try:
             thread = await self._decode_thread(context)
         except ServingError as e:
-            await context.abort(e.status.grpc_code, e.message)
+            await context.abort(e.status.grpc_code, e.message, _trailing(context))
         return await asyncio.wrap_future(thread.call(_pool_status))
 
 
@@ -130,6 +130,11 @@ class _SlotLayout:
             pages = jax.ShapeDtypeStruct((n,), jnp.int32)
             self._templates[n] = jax.eval_shape(swap.swap_out, self.state, 0, pages)[1]
         return self._templates[n]
+
+
+def _trailing(context) -> tuple:
+    """The trailing metadata set so far (an abort would otherwise drop it)."""
+    return tuple(context.trailing_metadata() or ())
 
 
 def _slot_layout(engine) -> _SlotLayout:

@@ -94,6 +94,7 @@ class RemoteDecodeEngine:
         self._poller = asyncio.run_coroutine_threadsafe(self._poll_forever(), self._loop)
         self.handovers = 0
         self.retries = 0  # handovers a peer refused before its first output, tried elsewhere
+        self.withdrawn = 0  # offers taken back from peers that failed without pulling them
 
     def _on_loop(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -120,9 +121,14 @@ class RemoteDecodeEngine:
             await asyncio.gather(*(self._poll(p) for p in self._peers))
 
     def pick_peer(self, exclude: Sequence[_Peer] = ()) -> _Peer | None:
-        """The reachable peer (not in ``exclude``) with the most free pages (None: none)."""
-        alive = [p for p in self._peers if p.free_pages is not None and p not in exclude]
-        return max(alive, key=lambda p: p.free_pages) if alive else None
+        """The peer (not in ``exclude``) with the most free pages; when none answered the last
+        poll, one that did not (the poll may be stale: a refused connection fails fast);
+        None when every peer is excluded."""
+        left = [p for p in self._peers if p not in exclude]
+        alive = [p for p in left if p.free_pages is not None]
+        if alive:
+            return max(alive, key=lambda p: p.free_pages)
+        return left[0] if left else None
 
     # ---- EngineClient --------------------------------------------------------------------------
     def add_request(self, prompt, params=None, request_id=None, *args, **kwargs) -> str:
@@ -218,7 +224,8 @@ class RemoteDecodeEngine:
                 record_json=record_to_json(record),
                 arrays=[pb.ArraySpec(shape=s, dtype=d) for s, d in specs],
             )  # fmt: skip
-            peer.free_pages -= record.num_pages  # until the next poll
+            if peer.free_pages is not None:
+                peer.free_pages -= record.num_pages  # until the next poll
             started = False
             try:
                 async for out in peer.stub.Handover(msg, metadata=self._metadata):
@@ -229,6 +236,8 @@ class RemoteDecodeEngine:
                 self._outputs.put(_failed(record, f"decode peer {peer.address} ended the stream"))
                 return
             except grpc.aio.AioRpcError as e:
+                if not started and not _pulled(e):
+                    self._withdraw(uuid, saved)
                 if not started and e.code() in _RETRY_ON_ANOTHER_PEER:
                     self.retries += 1
                     continue
@@ -237,6 +246,18 @@ class RemoteDecodeEngine:
                 self._outputs.put(_failed(record, detail, kind.lower()))
                 return
         self._outputs.put(_failed(record, "no decode peer is reachable"))
+
+    def _withdraw(self, uuid: int, saved) -> None:
+        """Take back the offer a failed peer did not pull (a thread of its own: if the peer did
+        pull it before failing, the self-pull never returns)."""
+        withdraw = self.transfer.withdraw
+        threading.Thread(target=withdraw, args=(uuid, saved), daemon=True).start()
+        self.withdrawn += 1
+
+
+def _pulled(error: grpc.aio.AioRpcError) -> bool:
+    """Whether the failed call's peer had pulled the KV (``disagg_decode.PULLED``)."""
+    return dict(error.trailing_metadata() or ()).get("jbatch-kv-pulled") == "1"
 
 
 def _output(record: handover.HandoverRecord, out: pb.HandoverOutput) -> RequestOutput:

@@ -61,6 +61,17 @@ class KvTransfer:
         arrays = self._connection(address).pull(uuid, avals)
         return jax.tree.unflatten(tree, arrays)
 
+    def withdraw(self, uuid: int, saved) -> None:
+        """Take back an offer no peer pulled (jax 0.10.2 has no call for it: this process pulls
+        its own offer and drops the copy, so the transfer server lets go of the arrays).
+        Blocks until done; if a peer did pull the offer after all, blocks forever: call it
+        from a thread of its own."""
+        avals = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+            for a in jax.tree.leaves(saved)
+        ]
+        jax.block_until_ready(self._connection(self.address).pull(uuid, avals))
+
     def _connection(self, address: str):
         with self._lock:
             conn = self._connections.get(address)

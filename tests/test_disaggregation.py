@@ -9,6 +9,7 @@ simulated CPU devices (``tests/disagg_worker.py``), started once for the module.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import json
@@ -17,6 +18,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -152,6 +154,31 @@ def test_abort_during_and_after_the_handover_leaks_nothing():
     assert engine.handovers == 3 and not engine.prefill.handed_over
 
 
+# ---- the transfer server (one process, one device) ------------------------------------------
+def test_kv_transfer_pulls_checks_specs_and_withdraws():
+    import jax
+    import jax.numpy as jnp
+
+    from serving.kv_transfer import KvTransfer
+
+    sender, receiver = KvTransfer(), KvTransfer()
+    tree = {"k": jnp.arange(24.0).reshape(2, 3, 4), "rows": jnp.array([5, 6], jnp.int32)}
+    template = jax.eval_shape(lambda t: t, tree)
+    uuid, specs = sender.offer(tree)
+    assert specs == [((2, 3, 4), "float32"), ((2,), "int32")]
+    pulled = receiver.pull(sender.address, uuid, specs, template, jax.devices()[0])
+    same = jax.tree.map(lambda a, b: bool((a == b).all()), pulled, tree)
+    assert same == {"k": True, "rows": True}
+    with pytest.raises(ValueError, match="do not match"):
+        receiver.pull(sender.address, uuid, [((2, 3, 5), "float32"), ((2,), "int32")], template,
+                      jax.devices()[0])  # fmt: skip
+    uuid, _ = sender.offer(tree)
+    done = threading.Thread(target=sender.withdraw, args=(uuid, tree), daemon=True)
+    done.start()
+    done.join(20)
+    assert not done.is_alive()  # the offer was taken back (a self-pull)
+
+
 # ---- real model, 4 + 4 simulated devices, tp=4 on each side --------------------------------------
 @pytest.fixture(scope="module")
 def inprocess(hf_checkpoint):
@@ -200,6 +227,8 @@ def _start(ckpt, *flags) -> tuple[subprocess.Popen, str, str]:
     proc = subprocess.Popen([*cmd, *flags], stderr=subprocess.PIPE, text=True, env=env)
     for _ in range(200):  # the port line comes before the model loads
         if m := PORT_LINE.search(proc.stderr.readline()):
+            drain = lambda: collections.deque(proc.stderr, maxlen=200)  # never fill the pipe
+            threading.Thread(target=drain, daemon=True).start()
             return proc, f"127.0.0.1:{m.group(1)}", f"http://127.0.0.1:{m.group(2)}"
     proc.kill()
     raise AssertionError("no port line from jbatch serve")
