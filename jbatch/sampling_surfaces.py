@@ -59,8 +59,8 @@ SURFACE_RULES: dict[str, dict[str, Rule]] = {
         "temperature": Rule("greedy by default: one command, one output", default=0.0),
         "structured": hidden("a JSON Schema or grammar does not fit a flag; use the Python API"),
         "speculative": hidden(
-            "--speculative is the engine's method (EngineConfig.speculative): a CLI run opts out "
-            "by leaving that off"
+            "the engine flag --speculative (EngineConfig) turns speculation on for the whole "
+            "run; the per-request opt-out is for servers and the Python API"
         ),
     },
     "grpc": {

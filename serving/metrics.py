@@ -13,6 +13,10 @@ Exported (all prefixed ``jbatch_``):
   (finish_reason stop / length / abort), ``cancelled`` (client went away) or an error status
   (``invalid_argument``, ``resource_exhausted``, ``deadline_exceeded``, ``unavailable``,
   ``internal``, ``unauthenticated``, ``too_large``; finish_reason empty);
+* speculative decoding: counters ``spec_proposed_tokens_total`` and
+  ``spec_accepted_tokens_total``, gauges ``spec_acceptance_rate`` (accepted / proposed) and
+  ``spec_mean_accepted_length`` (tokens per request per speculative step it had proposals in),
+  both over the engine's lifetime;
 * per tenant (``tenant_metrics.py``: top N tenants + ``other``): ``tenant_prompt_tokens_total``,
   ``tenant_output_tokens_total``, ``tenant_queue_depth``, ``tenant_running_slots``.
 
@@ -85,6 +89,22 @@ class ServingMetrics:
             registry=r,
         )
         self._last_preemptions = 0
+        self.spec_counters = {
+            name: prom.Counter(f"jbatch_{name}", help_, registry=r)
+            for name, help_ in (
+                ("spec_proposed_tokens", "Tokens proposed by speculative decoding."),
+                ("spec_accepted_tokens", "Proposed tokens the target model accepted."),
+            )
+        }
+        self._last_spec = dict.fromkeys(self.spec_counters, 0)
+        self.spec_acceptance = prom.Gauge(
+            "jbatch_spec_acceptance_rate", "Accepted / proposed speculative tokens.", registry=r
+        )
+        self.spec_length = prom.Gauge(
+            "jbatch_spec_mean_accepted_length",
+            "Tokens a request gets per speculative step it had proposals in.",
+            registry=r,
+        )
 
     def outcome(self, status: str, finish_reason: str | None = None) -> None:
         """Count one finished request: ``status`` ok / cancelled / an error label."""
@@ -105,6 +125,13 @@ class ServingMetrics:
             self._last_preemptions = 0
         self.preemptions.inc(total - self._last_preemptions)
         self._last_preemptions = total
+        for name, counter in self.spec_counters.items():
+            now = getattr(stats, name)
+            last = self._last_spec[name] if now >= self._last_spec[name] else 0
+            counter.inc(now - last)
+            self._last_spec[name] = now
+        self.spec_acceptance.set(stats.spec_acceptance_rate)
+        self.spec_length.set(stats.spec_mean_accepted_length)
 
     def exposition(self) -> bytes:
         """The text exposition format (what ``/metrics`` returns)."""

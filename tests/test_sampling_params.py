@@ -244,7 +244,7 @@ def test_proto_mapping_round_trip_and_defaults():
         temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, repetition_penalty=1.2,
         presence_penalty=0.3, frequency_penalty=-0.4, seed=11, max_tokens=33, min_tokens=2,
         stop=["x", "yz"], stop_token_ids=[4], ignore_eos=True, include_stop_str_in_output=True,
-        skip_special_tokens=False, logprobs=2, prompt_logprobs=0,
+        skip_special_tokens=False, logprobs=2, prompt_logprobs=0, speculative=False,
     )  # fmt: skip
     assert all(  # every exposed field differs from its default, so the round trip tests it
         getattr(params, f.name) != getattr(SamplingParams(), f.name) for f in surface_fields("grpc")

@@ -158,3 +158,51 @@ def test_no_page_leaks_after_many_speculative_requests_with_aborts(spec_llama):
     engine.forget_finished()
     assert engine.stats().spec_accepted_tokens > 0
     assert_drained(llm)
+
+
+def test_served_speculation_with_real_clients(spec_llama):
+    """The OpenAI client (streaming, ``speculative`` as an extra field) and a raw gRPC stub
+    get the engine's greedy tokens; /metrics reports the acceptance."""
+    import grpc
+    import httpx
+    import openai
+
+    from serving.proto.jbatch.v1 import generation_pb2 as pb
+    from serving.proto.jbatch.v1 import generation_pb2_grpc as pb_grpc
+    from serving.server import BackgroundServer, ServeConfig
+
+    llm, _ = spec_llama
+    prompt = repetitive_prompts(384, 1, seed=13)[0]
+    want = llm.generate([prompt], GREEDY.replace(max_tokens=20), use_tqdm=False)[0]
+    want = want.outputs[0].token_ids
+    bg = BackgroundServer(llm.engine, ServeConfig(grpc_port=0, http_port=0, model_name="tiny"))
+    bg.start()
+    try:
+        server = bg.server
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x")
+        for speculative in (True, False):
+            stream = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                extra_body={"ignore_eos": True, "speculative": speculative},
+            )  # fmt: skip
+            ids = [t for chunk in stream for t in (chunk.choices[0].model_extra or {}).get(
+                "token_ids", []
+            )]  # fmt: skip
+            assert ids == want
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt),
+                sampling_params=pb.SamplingParams(
+                    temperature=0, max_tokens=20, ignore_eos=True, speculative=True
+                ),
+            )
+            got = [
+                t for r in pb_grpc.GenerationStub(channel).Generate(request) for t in r.token_ids
+            ]
+        assert got == want
+        metrics = httpx.get(f"http://127.0.0.1:{server.http_port}/metrics").text
+        accepted = [ln for ln in metrics.splitlines() if ln.startswith("jbatch_spec_accepted")]
+        assert accepted and float(accepted[0].split()[-1]) > 0
+        assert "jbatch_spec_acceptance_rate" in metrics
+    finally:
+        bg.stop()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int32
+from jaxtyping import Array, Bool, Float, Int32
 
 from jbatch.engine.sampler import (
     SlotSampling,
@@ -62,16 +62,50 @@ def verify(
     ``accept_bias`` (tests only) adds to every acceptance probability: a deliberately wrong
     verifier that the distribution test must catch."""
     g, k1, vocab = x.shape
-    k = k1 - 1
     greedy = is_greedy(sp.temperature)  # [G]
+    target = argmax(x.reshape(g * k1, vocab)).reshape(g, k1)  # [G, K1]
+    greedy_ok = drafts == target[:, :-1]  # [G, K]
+    args = (x, drafts, num_drafts, sp, step_index, draft_probs, accept_bias)
+    accepted, final = _choose(greedy, greedy_ok, target, args)
+    return _emit(drafts, num_drafts, accepted, final)
+
+
+def _choose(greedy, greedy_ok, target, args):
+    """(accepted proposals [G], the token after them [G]). Greedy rows need only the argmax;
+    the sampling path runs only when some row samples (a ``lax.cond``, as in ``sampler``)."""
+    g = greedy.shape[0]
+
+    def greedy_only():
+        accepted = _accepted(greedy_ok, args[2])
+        return accepted, target[jnp.arange(g), accepted]
+
+    def mixed():
+        sampled_ok, draw = _sampled(*args)
+        ok = jnp.where(greedy[:, None], greedy_ok, sampled_ok)
+        accepted = _accepted(ok, args[2])
+        final = jnp.where(greedy, target[jnp.arange(g), accepted], draw(accepted))
+        return accepted, final
+
+    return jax.lax.cond(jnp.all(greedy), greedy_only, mixed)
+
+
+def _accepted(ok: Bool[Array, "groups k"], num_drafts: Int32[Array, " groups"]):
+    """Leading accepted proposals per group (only the ``num_drafts`` offered count)."""
+    k = ok.shape[1]
+    offered = jnp.arange(k, dtype=jnp.int32)[None, :] < num_drafts[:, None]  # [G, K]
+    return jnp.sum(jnp.cumprod(ok & offered, axis=1), axis=1).astype(jnp.int32)  # [G]
+
+
+def _sampled(x, drafts, num_drafts, sp, step_index, draft_probs, accept_bias):
+    """Rejection sampling (module doc, 2-3): per proposal whether it is accepted, and a
+    function of the accepted count giving the token drawn after the run."""
+    g, k1, vocab = x.shape
+    k = k1 - 1
     flat = x.reshape(g * k1, vocab)
-    target = argmax(flat).reshape(g, k1)  # [G, K1]
+    greedy = is_greedy(sp.temperature)
     masked = filtered_logits(flat, _rows(sp, k1), jnp.repeat(greedy, k1)).reshape(g, k1, vocab)
     log_p = masked - log_normalizer(masked.reshape(g * k1, vocab)).reshape(g, k1, 1)
     p = jnp.exp(log_p)  # [G, K1, V]
-
-    j = jnp.arange(k, dtype=jnp.int32)  # [K]
-    offered = j[None, :] < num_drafts[:, None]  # [G, K]
     p_draft = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]  # [G, K]
     if draft_probs is None:
         q_draft = jnp.ones_like(p_draft)
@@ -81,22 +115,25 @@ def verify(
     seeds = jnp.broadcast_to(sp.seed[:, None], steps.shape)
     u = uniforms(seeds.ravel(), steps.ravel()).reshape(g, k1)  # [G, K1]
     sampled_ok = u[:, :k] * q_draft < p_draft + accept_bias * q_draft  # [G, K]
-    greedy_ok = drafts == target[:, :k]  # [G, K]
-    ok = offered & jnp.where(greedy[:, None], greedy_ok, sampled_ok)  # [G, K]
-    accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)  # [G]
 
-    # The token at output position ``accepted``: the target's own draw there, or, after a
-    # rejection, a draw from the residual max(0, p - q) (q: the rejected proposal's law).
-    gi = jnp.arange(g)
-    rejected = accepted < num_drafts  # [G]
-    at = lambda a: a[gi, accepted]  # row ``accepted`` of each group
-    q_row = _draft_row(drafts, draft_probs, accepted, vocab)  # [G, V]
-    residual = jnp.maximum(at(p) - q_row, 0.0)  # [G, V]
-    log_w = jnp.where(rejected[:, None], jnp.log(residual), at(masked))  # [G, V]
-    u_res = uniforms(sp.seed, step_index + accepted, RESIDUAL_STREAM)  # [G]
-    drawn = inverse_cdf(log_w, jnp.where(rejected, u_res, at(u)))  # [G]
-    final = jnp.where(greedy, at(target), drawn)  # [G]
+    def draw(accepted: Int32[Array, " groups"]) -> Int32[Array, " groups"]:
+        # The target's own draw at position ``accepted``, or, after a rejection, a draw from
+        # the residual max(0, p - q) (q: the rejected proposal's law).
+        gi = jnp.arange(g)
+        rejected = accepted < num_drafts  # [G]
+        at = lambda a: a[gi, accepted]  # row ``accepted`` of each group
+        q_row = _draft_row(drafts, draft_probs, accepted, vocab)  # [G, V]
+        residual = jnp.maximum(at(p) - q_row, 0.0)  # [G, V]
+        log_w = jnp.where(rejected[:, None], jnp.log(residual), at(masked))  # [G, V]
+        u_res = uniforms(sp.seed, step_index + accepted, RESIDUAL_STREAM)  # [G]
+        return inverse_cdf(log_w, jnp.where(rejected, u_res, at(u)))  # [G]
 
+    return sampled_ok, draw
+
+
+def _emit(drafts, num_drafts, accepted, final):
+    """Emitted tokens [G, K + 1] (the accepted proposals, then ``final``) and their count."""
+    k1 = drafts.shape[1] + 1
     pos = jnp.arange(k1, dtype=jnp.int32)[None, :]  # [1, K1]
     padded = jnp.pad(drafts, ((0, 0), (0, 1)))  # [G, K1]
     emitted = jnp.where(pos < accepted[:, None], padded, 0)

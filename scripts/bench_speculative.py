@@ -1,0 +1,172 @@
+"""Speculative decoding vs plain decoding: output tok/s and tokens per target step, by batch size.
+
+    PYTHONPATH=. python scripts/bench_speculative.py [--batches 1 4 32] [--reps 3]
+        [--k 4] [--out docs/bench_speculative.json]
+
+Workloads, greedy, on the built-in demo model (or ``--model``):
+
+- ``edit``: n-gram's home ground — each prompt is 56 tokens of real Python source followed by
+  its first 8 tokens again, so the continuation copies spans of the prompt (what an editing or
+  refactoring agent's answer does); 48 output tokens.
+- ``free``: free generation from 24 tokens of source; 64 output tokens (the draft model's
+  case).
+
+The demo model was trained on 128-token windows, so both stay within 128 positions (past
+them its output degrades into noise no proposer predicts).
+
+Two engines in one process — the same model and sizes, ``speculative=None`` and
+``speculative="ngram"`` — run each (workload, batch) alternately for ``--reps`` repetitions;
+medians of the ratios are reported (the machine is shared: ratios, not absolute times). A
+batch of B is B requests submitted together (batch 1: ``--solo`` requests one after another).
+Writes a JSON record and a PNG plot next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sysconfig
+import time
+from pathlib import Path
+
+from jbatch import LLM, SamplingParams
+from jbatch.demo import demo_model_path
+
+
+def source_texts(n: int, chars: int) -> list[str]:
+    """``n`` stretches of standard-library source (deterministic)."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    out = []
+    for f in files:
+        text = f.read_text(errors="ignore")
+        if len(text) > 4 * chars:
+            mid = len(text) // 2
+            start = text.index("\n", mid) + 1
+            out.append(text[start : start + chars])
+        if len(out) == n:
+            break
+    return out
+
+
+WORKLOADS = {"edit": 48, "free": 64}  # output tokens
+
+
+def prompts_for(tokenizer, workload: str, n: int) -> list[list[int]]:
+    ids = [tokenizer.encode(t) for t in source_texts(n, 1200)]
+    if workload == "edit":  # the code, then its first tokens again: the rest is a copy
+        return [t[:56] + t[:8] for t in ids]
+    return [t[:24] for t in ids]
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, solo: bool) -> dict:
+    before = llm.engine.stats()
+    t0 = time.perf_counter()
+    if solo:
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = llm.engine.stats()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    steps = after.steps - before.steps
+    proposed = after.spec_proposed_tokens - before.spec_proposed_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    return {
+        "output_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "output_tok_s": round(tokens / wall, 1),
+        "steps": steps,
+        "tokens_per_step": round(tokens / max(steps, 1), 3),
+        "acceptance_rate": round(accepted / proposed, 3) if proposed else None,
+        "ids": [o.outputs[0].token_ids for o in outs],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="HF checkpoint folder (default: the built-in demo model)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 32])
+    ap.add_argument("--solo", type=int, default=4, help="requests run one by one at batch 1")
+    ap.add_argument("--workloads", nargs="+", default=["edit", "free"])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--out", default="docs/bench_speculative.json")
+    args = ap.parse_args()
+    model = args.model or str(demo_model_path())
+    sizes = dict(max_slots=max(args.batches), num_pages=2048, max_seq_len=1024)
+    engines = {
+        "plain": LLM(model, **sizes),
+        "ngram": LLM(model, **sizes, speculative="ngram", num_speculative_tokens=args.k),
+    }
+    tokenizer = engines["plain"].engine.tokenizer
+    rows = []
+    for workload in args.workloads:
+        params = SamplingParams(temperature=0.0, max_tokens=WORKLOADS[workload], ignore_eos=True)
+        for batch in args.batches:
+            prompts = prompts_for(tokenizer, workload, args.solo if batch == 1 else batch)
+            reps = {name: [] for name in engines}
+            for rep in range(args.reps):
+                order = list(engines) if rep % 2 == 0 else list(engines)[::-1]
+                for name in order:
+                    reps[name].append(run(engines[name], prompts, params, solo=batch == 1))
+            same = all(r["ids"] == reps["plain"][0]["ids"] for rs in reps.values() for r in rs)
+            ratios = [
+                s["output_tok_s"] / p["output_tok_s"] for s, p in zip(reps["ngram"], reps["plain"])
+            ]
+            row = {
+                "workload": workload,
+                "batch": batch,
+                "speedup_median": round(statistics.median(ratios), 3),
+                "speedups": [round(r, 3) for r in ratios],
+                "identical_outputs": same,
+            }
+            for name, rs in reps.items():
+                row[name] = {
+                    key: statistics.median(r[key] for r in rs)
+                    for key in ("output_tok_s", "tokens_per_step")
+                }
+                row[name]["acceptance_rate"] = rs[-1]["acceptance_rate"]
+            rows.append(row)
+            print(json.dumps(row))
+    record = {
+        "command": "PYTHONPATH=. python scripts/bench_speculative.py "
+        + " ".join(
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in vars(args).items()
+            if v is not None and k != "out"
+        ),
+        "date": time.strftime("%Y-%m-%d"),
+        "k": args.k,
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.write_text(json.dumps(record, indent=1))
+    plot(rows, out.with_suffix(".png"))
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for workload in sorted({r["workload"] for r in rows}):
+        pts = [(r["batch"], r["speedup_median"]) for r in rows if r["workload"] == workload]
+        ax.plot(*zip(*pts), marker="o", label=workload)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (concurrent requests)")
+    ax.set_ylabel("tok/s, n-gram speculation / plain")
+    ax.legend()
+    ax.set_title("Speculative decoding (n-gram), demo model, CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
