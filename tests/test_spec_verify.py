@@ -144,3 +144,25 @@ def test_ngram_proposer_finds_the_latest_match_with_room():
     s = ngram_proposer.TokenStream([1, 2])
     assert s.sync([3] * 40, 2).tolist() == [1, 2] + [3] * 40
     assert s.sync([3] * 41, 2)[-1] == 3 and s.size == 43
+
+
+def _propose_by_brute_force(stream, k, lo, hi):
+    """The proposer's rule spelled out: longest n first, latest match with k tokens after it."""
+    size = len(stream)
+    for n in range(min(hi, size - 1), lo - 1, -1):
+        hits = [i for i in range(size - n) if (stream[i : i + n] == stream[size - n :]).all()]
+        if hits:
+            full = [h for h in hits if h + n + k <= size]
+            start = (full[-1] if full else hits[-1]) + n
+            return stream[start : start + k].tolist()
+    return []
+
+
+def test_ngram_proposer_equals_brute_force_on_random_streams():
+    rng = np.random.RandomState(5)
+    for _ in range(2000):
+        stream = rng.randint(0, rng.randint(2, 6), rng.randint(1, 40)).astype(np.int32)
+        k, lo = int(rng.randint(1, 5)), int(rng.randint(1, 4))
+        hi = lo + int(rng.randint(0, 3))
+        want = _propose_by_brute_force(stream, k, lo, hi)
+        assert ngram_proposer.propose(stream, k, lo, hi) == want, (stream.tolist(), k, lo, hi)

@@ -37,7 +37,15 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from jbatch.engine import batch_builder, grammar, logprob_host, snapshot, speculator, stop_checker
+from jbatch.engine import (
+    batch_builder,
+    grammar,
+    logprob_host,
+    request_output,
+    snapshot,
+    speculator,
+    stop_checker,
+)  # fmt: skip
 from jbatch.engine.buckets import pick_handover_bucket
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.engine_core import EngineCore
@@ -50,7 +58,7 @@ from jbatch.engine.tenants import check_tenant
 from jbatch.models.config import ModelConfig
 from jbatch.models.llama import unstack_layers
 from jbatch.models.quant import ensure_quantized
-from jbatch.outputs import CompletionOutput, OutputKind, RequestOutput
+from jbatch.outputs import OutputKind, RequestOutput
 from jbatch.sampling_params import SamplingParams
 from jbatch.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -238,7 +246,7 @@ class LLMEngine:
             # Requests the device never saw stay queued, unless steps keep failing.
             dropped = self._reset(requeue_waiting=self._failures < 2, reason="error")
             error = f"engine step failed: {type(e).__name__}: {e}"
-            outputs = merge_outputs((s, self._error_output(s, error)) for s in dropped)
+            outputs = merge_outputs((s, request_output.error_output(s, error)) for s in dropped)
             raise StepFailed([o.request_id for o in outputs], outputs, e) from e
         finally:
             self.counters["host_seconds"] += time.perf_counter() - t0
@@ -400,62 +408,11 @@ class LLMEngine:
                 done, seq.error = (end[0], None), end[1]  # the grammar ended (or failed)
             if done is not None:
                 self.scheduler.finish(seq, *done)
-            out = self._output(seq, new)
+            out = request_output.step_output(seq, new)
             if out is not None:
                 results.append((seq, out))
             self.counters["tokens"] += new
         return merge_outputs(results)  # n > 1: one output per request, not per child
-
-    def _output(self, seq: Request, new: int = 1) -> RequestOutput | None:
-        """This step's output for ``seq``, which got ``new`` tokens (None: a FINAL request still
-        running). O(1) per token for DELTA outputs; a FINAL output is assembled once, at the
-        end."""
-        finished = seq.finished
-        delta_text = stop_checker.text_to_emit(seq, finished)
-        if seq.output_kind is OutputKind.FINAL:
-            if not finished:
-                return None
-            text, ids, logprobs = "".join(seq.text_chunks), list(seq.output_ids), list(seq.logprobs)
-        else:
-            text, ids, logprobs = delta_text, seq.output_ids[-new:], seq.logprobs[-new:]
-        completion = CompletionOutput(
-            seq.index, text, ids, seq.cumulative_logprob, logprobs, seq.finish_reason,
-            seq.stop_reason, len(seq.output_ids), self._top_logprobs(seq, len(ids)),
-        )  # fmt: skip
-        return RequestOutput(
-            seq.request_id, seq.prompt, seq.prompt_ids, [completion], finished, self._metrics(seq),
-            error=seq.error,
-            prompt_logprobs=logprob_host.prompt_logprobs_to_send(seq),
-        )  # fmt: skip
-
-    @staticmethod
-    def _top_logprobs(seq: Request, n: int) -> list | None:
-        """The top logprobs of ``seq``'s last ``n`` tokens (None: the request has none)."""
-        if seq.params.logprobs is None:
-            return None
-        return seq.top_logprobs[len(seq.top_logprobs) - n :]
-
-    @staticmethod
-    def _metrics(seq: Request) -> dict[str, float]:
-        metrics = {"arrival_time": seq.arrival_time, "num_preemptions": seq.num_preemptions}
-        if seq.first_token_time is not None:
-            metrics["first_token_time"] = seq.first_token_time
-        return metrics
-
-    def _error_output(self, seq: Request, error: str) -> RequestOutput:
-        """The final output of a request that failed with a step: what it had, then "error"."""
-        final = seq.output_kind is OutputKind.FINAL
-        text = "".join(seq.text_chunks) if final else ""
-        ids = list(seq.output_ids) if final else []
-        logprobs = list(seq.logprobs) if final else []
-        completion = CompletionOutput(
-            seq.index, text, ids, seq.cumulative_logprob, logprobs, "error", None,
-            len(seq.output_ids),
-        )  # fmt: skip
-        return RequestOutput(
-            seq.request_id, seq.prompt, seq.prompt_ids, [completion], True, self._metrics(seq),
-            error=error,
-        )  # fmt: skip
 
     def stats(self) -> EngineStats:
         """A typed snapshot of the engine (what front ends and metrics read)."""

@@ -40,19 +40,25 @@ class TokenStream:
 
 
 def propose(stream: Int32[np.ndarray, " n"], k: int, ngram_min: int, ngram_max: int) -> list[int]:
-    """Up to ``k`` proposed next tokens for ``stream`` (module doc); [] when no n-gram recurs."""
+    """Up to ``k`` proposed next tokens for ``stream`` (module doc); [] when no n-gram recurs.
+
+    One pass finds every earlier position holding the stream's last token (a candidate end of
+    a match); each longer ``n`` keeps the candidates whose preceding tokens match too."""
     size = len(stream)
-    if k <= 0:
+    if k <= 0 or size < 2:
         return []
-    for n in range(min(ngram_max, size - 1), ngram_min - 1, -1):
-        tail = stream[size - n :]
-        # Windows starting at 0..size-n-1 (the tail itself excluded): a match at i is followed
-        # by stream[i + n], which exists.
-        windows = np.lib.stride_tricks.sliding_window_view(stream[: size - 1], n)
-        hits = np.flatnonzero((windows == tail).all(axis=1))
-        if hits.size:
-            # The latest match followed by k whole tokens, else the latest match.
-            full = hits[hits + n + k <= size]
-            start = int(full[-1] if full.size else hits[-1]) + n
-            return stream[start : start + k].tolist()
-    return []
+    ends = np.flatnonzero(stream[: size - 1] == stream[size - 1])  # matches of length 1
+    found = ends if ngram_min <= 1 else None
+    for n in range(2, min(ngram_max, size - 1) + 1):
+        ends = ends[ends >= n - 1]
+        ends = ends[stream[ends - (n - 1)] == stream[size - n]]
+        if not ends.size:
+            break
+        if n >= ngram_min:
+            found = ends  # the longest n so far
+    if found is None or not found.size:
+        return []
+    # The latest match followed by k whole tokens, else the latest match.
+    full = found[found + k < size]
+    start = int(full[-1] if full.size else found[-1]) + 1
+    return stream[start : start + k].tolist()
