@@ -9,13 +9,10 @@ simulated CPU devices (``tests/disagg_worker.py``), started once for the module.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import contextlib
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import threading
@@ -26,7 +23,6 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jbatch import EngineConfig, LLMEngine, SamplingParams
 from jbatch.engine import buckets
@@ -35,8 +31,8 @@ from jbatch.engine.mock_core import MockCore
 from jbatch.outputs import OutputKind
 from jbatch.parallel.disaggregated import DisaggregatedEngine
 from serving.client import GenerationClient
-from serving.proto.jbatch.v1 import disaggregation_pb2 as disagg_pb
 from serving.proto.jbatch.v1 import disaggregation_pb2_grpc as disagg_grpc
+from tests.disagg_serving import RefusingPeer, eventually, metric, start, wait_serving
 from tests.disagg_worker import NUM_REQUESTS
 from tests.hf_models import make_checkpoint
 
@@ -214,73 +210,24 @@ def test_tp_disaggregation_exercises_cache_and_preemption(inprocess):
 
 
 # ---- two `jbatch serve` processes on loopback: KV through JAX's transfer server ---------------
-SERVE_FLAGS = [
-    "--max-slots", "4", "--page-size", "4", "--max-num-batched-tokens", "32", "--block-q", "8",
-    "--max-seq-len", "96", "--grpc-port", "0", "--http-port", "0", "--shutdown-timeout", "2",
-]  # fmt: skip
-PORT_LINE = re.compile(r"gRPC on [\d.]+:(\d+), HTTP on [\d.]+:(\d+)")
-
-
-def _start(ckpt, *flags) -> tuple[subprocess.Popen, str, str]:
-    cmd = [sys.executable, "-m", "jbatch.cli", "serve", "--model", str(ckpt), *SERVE_FLAGS]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
-    proc = subprocess.Popen([*cmd, *flags], stderr=subprocess.PIPE, text=True, env=env)
-    for _ in range(200):  # the port line comes before the model loads
-        if m := PORT_LINE.search(proc.stderr.readline()):
-            drain = lambda: collections.deque(proc.stderr, maxlen=200)  # never fill the pipe
-            threading.Thread(target=drain, daemon=True).start()
-            return proc, f"127.0.0.1:{m.group(1)}", f"http://127.0.0.1:{m.group(2)}"
-    proc.kill()
-    raise AssertionError("no port line from jbatch serve")
-
-
-def _wait_serving(target: str, timeout: float = 240.0) -> None:
-    req = health_pb2.HealthCheckRequest(service="jbatch.v1.Generation")
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            with contextlib.suppress(grpc.RpcError):
-                if stub.Check(req, timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            time.sleep(0.2)
-    raise AssertionError(f"{target} did not become SERVING")
-
-
-class _RefusingPeer(disagg_grpc.DisaggregationServicer):
-    """A decode peer that reports the most free pages and refuses every handover: each request
-    is offered here first, then handed over to the real decode server (the retry path)."""
-
-    def __init__(self):
-        self.refused = 0
-
-    def PoolStatus(self, request, context):
-        return disagg_pb.PoolStatusResponse(free_pages=1 << 30, total_pages=1 << 30)
-
-    def Handover(self, request, context):
-        self.refused += 1
-        context.abort(grpc.StatusCode.UNAVAILABLE, "a refusing peer (test)")
-        yield  # a server-streaming handler
-
-
 @pytest.fixture(scope="module")
 def two_servers(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("disagg_llama")
     make_checkpoint("llama", ckpt)
-    refusing = _RefusingPeer()
+    refusing = RefusingPeer()
     fake = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
     disagg_grpc.add_DisaggregationServicer_to_server(refusing, fake)
     fake_peer = f"127.0.0.1:{fake.add_insecure_port('127.0.0.1:0')}"
     fake.start()
     procs = []
     try:
-        decode = _start(ckpt, "--role", "decode", "--num-pages", "40")
+        decode = start(ckpt, "--role", "decode", "--num-pages", "40")
         procs.append(decode[0])
         peers = f"{decode[1]},{fake_peer}"
-        prefill = _start(ckpt, "--role", "prefill", "--num-pages", "64", "--decode-peers", peers)
+        prefill = start(ckpt, "--role", "prefill", "--num-pages", "64", "--decode-peers", peers)
         procs.append(prefill[0])
-        _wait_serving(decode[1])
-        _wait_serving(prefill[1])
+        wait_serving(decode[1])
+        wait_serving(prefill[1])
         yield ckpt, decode, prefill, refusing
     finally:
         fake.stop(0)
@@ -359,20 +306,6 @@ def test_a_decode_server_refuses_plain_requests(two_servers):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def _metric(http: str, name: str) -> float:
-    text = httpx.get(http + "/metrics", timeout=10).text
-    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
-
-
-def _eventually(check, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 @pytest.mark.slow
 def test_a_cancelled_stream_frees_the_decode_pages(two_servers):
     _, decode, prefill, _ = two_servers
@@ -388,8 +321,8 @@ def test_a_cancelled_stream_frees_the_decode_pages(two_servers):
         return received
 
     assert asyncio.run(cancel_after_two_tokens()) >= 2
-    assert _eventually(lambda: _metric(decode[2], "jbatch_kv_pages_used") == 0)
-    assert _metric(prefill[2], "jbatch_kv_pages_used") == 0
+    assert eventually(lambda: metric(decode[2], "jbatch_kv_pages_used") == 0)
+    assert metric(prefill[2], "jbatch_kv_pages_used") == 0
 
 
 @pytest.mark.slow
@@ -415,4 +348,4 @@ def test_a_killed_decode_server_fails_requests_unavailable(two_servers):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         asyncio.run(_complete_all(prefill[1], [[3, 4, 5, 6]], [8]))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 20
-    assert _metric(prefill[2], "jbatch_kv_pages_used") == 0  # nothing leaked on the prefill side
+    assert metric(prefill[2], "jbatch_kv_pages_used") == 0  # nothing leaked on the prefill side
