@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -184,6 +185,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--compilation-cache", default=None, metavar="DIR|off", help="persistent XLA "
         "compilation cache (default: $JBATCH_COMPILATION_CACHE, else ~/.cache/jbatch/xla)"
     )  # fmt: skip
+    srv.add_argument(
+        "--decode-peers", default=None, metavar="HOST:PORT,...", help="with --role prefill: "
+        "the gRPC addresses of the --role decode servers requests are handed over to"
+    )  # fmt: skip
     add_hardening_flags(srv)
     _add_engine_flags(srv)
     _add_distributed_flags(srv)
@@ -237,7 +242,20 @@ def _serve(args: argparse.Namespace) -> int:
         compile_cache.enable(args.compilation_cache)
     else:
         compile_cache.from_env(compile_cache.default_dir())
-    return serve(lambda: LLM(args.model, **_engine_kwargs(args)).engine, config)
+    peers = [p for p in (args.decode_peers or "").split(",") if p]
+    if peers and args.role != "prefill":
+        raise ValueError(f"--decode-peers needs --role prefill, got --role {args.role}")
+
+    def load():
+        engine = LLM(args.model, **_engine_kwargs(args)).engine
+        if args.role != "prefill":
+            return engine
+        from serving.disagg_prefill import RemoteDecodeEngine
+
+        key = os.environ.get("JBATCH_PEER_API_KEY")  # the decode servers' --api-key, if any
+        return RemoteDecodeEngine(engine, peers, args.host, key)  # decodes on the peers
+
+    return serve(load, config)
 
 
 def _add_convert_parser(sub) -> None:

@@ -65,6 +65,9 @@ class RequestOutput:
     finished: bool
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     error: str | None = None  # set when the request failed (``finish_reason == "error"``)
+    # With ``error``: the serving status it maps to ("unavailable": a decode peer failed; see
+    # serving/disagg_prefill.py), None: an engine error (internal).
+    error_kind: str | None = None
     # Per prompt token (``prompt_logprobs`` set; first output only): None, then top logprobs.
     prompt_logprobs: list[TopLogprobs | None] | None = None
 

@@ -165,6 +165,19 @@ class IncrementalDetokenizer:
                 return window
         return []
 
+    def get_state(self) -> dict:
+        """Everything but the tokenizer, as plain values (a handover: ``engine/handover.py``)."""
+        return {k: v for k, v in vars(self).items() if k != "tokenizer"}
+
+    @classmethod
+    def from_state(cls, tokenizer: Tokenizer, state: dict) -> IncrementalDetokenizer:
+        """A detokenizer continuing where the one ``get_state`` was read from stopped."""
+        detok = cls.__new__(cls)
+        detok.tokenizer = tokenizer
+        for key, value in state.items():
+            setattr(detok, key, list(value) if isinstance(value, list) else value)
+        return detok
+
     @property
     def text(self) -> str:
         """All text emitted so far (concatenation of the returned deltas)."""

@@ -74,6 +74,15 @@ class _Add:
 
 
 @dataclasses.dataclass
+class _Adopt:
+    """A request built on the engine thread by ``admit(engine, request_id)`` (a handover)."""
+
+    stream: RequestStream
+    admit: Callable[[EngineClient, str], Any]
+    arrival: float
+
+
+@dataclasses.dataclass
 class _Abort:
     request_id: str
     outcome: str
@@ -163,6 +172,18 @@ class EngineThread(SnapshotStreams):
         Raises ServingError UNAVAILABLE (draining or stopped) or RESOURCE_EXHAUSTED (queue full).
         Errors of the prompt itself arrive through the stream as INVALID_ARGUMENT.
         """
+        prompt = prompt if isinstance(prompt, str) else list(prompt)
+        make = lambda stream, now: _Add(stream, prompt, params, priority, now, tenant, client_id)
+        return self._accept(make)
+
+    def adopt(self, admit: Callable[[EngineClient, str], Any]) -> RequestStream:
+        """Queue a request that ``admit(engine, request_id)`` builds on the engine thread (a
+        handed-over request: ``serving/disagg_decode.py``); admission control as in
+        :meth:`submit`, and a ``ValueError`` of ``admit`` fails the stream with
+        INVALID_ARGUMENT."""
+        return self._accept(lambda stream, now: _Adopt(stream, admit, now))
+
+    def _accept(self, make: Callable[[RequestStream, float], Any]) -> RequestStream:
         loop = asyncio.get_running_loop()
         with self._lock:
             if not self.accepting:
@@ -176,11 +197,9 @@ class EngineThread(SnapshotStreams):
                 )
             self._outstanding += 1
             stream = RequestStream(f"{self._id_prefix}{next(self._ids)}", self, loop)
-            prompt = prompt if isinstance(prompt, str) else list(prompt)
             # Put under the lock: the engine thread's exit takes the lock before its last look
             # at the inbox, so an accepted request is always answered.
-            now = time.monotonic()
-            self._inbox.put(_Add(stream, prompt, params, priority, now, tenant, client_id))
+            self._inbox.put(make(stream, time.monotonic()))
         return stream
 
     def resume(self, client_id: str, from_token: int) -> RequestStream:
@@ -268,6 +287,8 @@ class EngineThread(SnapshotStreams):
                 return
             if isinstance(cmd, _Add):
                 self._add(cmd)
+            elif isinstance(cmd, _Adopt):
+                self._adopt(cmd)
             elif isinstance(cmd, Resume):
                 self._resume_stream(cmd)
             elif isinstance(cmd, _Abort):
@@ -296,6 +317,18 @@ class EngineThread(SnapshotStreams):
         self._attach(rid, cmd.stream, cmd.arrival)
         if self._resume is not None:
             self._resume.track(rid, cmd.client_id)
+
+    def _adopt(self, cmd: _Adopt) -> None:
+        rid = cmd.stream.request_id
+        if self._exiting:
+            self._fail(cmd.stream, ServingError(Status.UNAVAILABLE, "the server shut down"))
+            return
+        try:
+            cmd.admit(self.engine, rid)
+        except ValueError as e:
+            self._fail(cmd.stream, ServingError(Status.INVALID_ARGUMENT, str(e)))
+            return
+        self._attach(rid, cmd.stream, cmd.arrival)
 
     def _attach(self, rid: str, stream: RequestStream, arrival: float) -> None:
         """From now on the engine request ``rid``'s outputs go to ``stream``."""
@@ -332,7 +365,7 @@ class EngineThread(SnapshotStreams):
             if out.error is not None:
                 del self._live[out.request_id]
                 self.engine.forget(out.request_id)
-                self._fail(live.stream, ServingError(Status.INTERNAL, out.error))
+                self._fail(live.stream, ServingError(_error_status(out), out.error))
                 continue
             self._deliver(live, out, now)
 
@@ -407,3 +440,9 @@ class EngineThread(SnapshotStreams):
             self._running = stats.running
             waiting = self._outstanding - self._running
         self.metrics.observe_engine(stats, waiting)
+
+
+def _error_status(out: RequestOutput) -> Status:
+    """How a failed request's stream ends: ``out.error_kind`` names a status, else INTERNAL."""
+    kind = (out.error_kind or "").upper()
+    return Status[kind] if kind in Status.__members__ else Status.INTERNAL

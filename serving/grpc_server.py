@@ -13,10 +13,12 @@ from grpc_reflection.v1alpha import reflection
 from jbatch.outputs import TopLogprobs
 from jbatch.sampling_params import SamplingParams
 from serving.context import ServingContext
+from serving.disagg_decode import DisaggregationService
 from serving.engine_thread import Delta
 from serving.errors import ServingError, Status
 from serving.grpc_guard import GrpcGuard
 from serving.openai_logprobs import top_k
+from serving.proto.jbatch.v1 import disaggregation_pb2_grpc as disagg_grpc
 from serving.proto.jbatch.v1 import generation_pb2 as pb
 from serving.proto.jbatch.v1 import generation_pb2_grpc as pb_grpc
 from serving.sampling_proto import sampling_params_from_proto
@@ -183,6 +185,8 @@ def build_grpc_server(
     guard = GrpcGuard(ctx.api_keys, ctx.metrics, f"/{SERVICE_NAME}/")
     server = grpc.aio.server(options=options, interceptors=[guard])
     pb_grpc.add_GenerationServicer_to_server(GenerationService(ctx), server)
+    # Disaggregated serving: a decode server's side of a handover (serving/disagg_decode.py).
+    disagg_grpc.add_DisaggregationServicer_to_server(DisaggregationService(ctx, host), server)
     health_pb2_grpc.add_HealthServicer_to_server(ctx.health, server)
     names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)

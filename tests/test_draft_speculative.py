@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from jbatch import LLM, SamplingParams
+from jbatch.engine.config import EngineConfig
 from tests.compile_counter import count_compiles
 from tests.test_engine import assert_drained, assert_teacher_forced
 
@@ -66,6 +67,8 @@ def test_speculative_model_needs_the_draft_method(hf_checkpoint):
     path, _ = hf_checkpoint("llama")
     with pytest.raises(ValueError, match="speculative_model"):
         LLM(path, speculative="ngram", speculative_model=str(path), warmup=False)
+    with pytest.raises(ValueError, match="role='decode'"):
+        EngineConfig(speculative_model=str(path), role="decode")
 
 
 def test_demo_model_with_its_trained_draft():

@@ -13,6 +13,10 @@ SmolLM2-135M shape a decode step of 1/2/4/8/16/32 rows took 20/27/30/37/49/74 ms
 200), so a step pays for about the rows it uses. Steps with prompt rows, whose cost the prompt
 rows dominate, get only ``max_slots`` and its quarters (at least 8 rows), which bounds the
 program count: 32 slots and 4 prefill buckets compile 6 + 3 x 2 = 12 step programs.
+
+Roles (``EngineConfig.role``, disaggregation): a "prefill" engine never decodes, so it compiles
+one program per non-zero prefill bucket, each with zero decode rows; a "decode" engine compiles
+only the decode-only programs (``rows == 0``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ def prefill_buckets(cfg: EngineConfig) -> tuple[int, ...]:
         rows.append(r)
         r *= 4
     rows.append(top)
-    return tuple(rows)
+    return tuple(rows[1:]) if cfg.role == "prefill" else tuple(rows)
 
 
 def pick_bucket(cfg: EngineConfig, rows: int) -> int:
@@ -48,7 +52,9 @@ MIN_MIXED_DECODE_ROWS = 8
 def decode_buckets(cfg: EngineConfig, rows: int = 0) -> tuple[int, ...]:
     """Decode row counts compiled with ``rows`` prompt-chunk rows: ``max_slots``, then halves
     down to MIN_DECODE_ROWS (decode-only steps) or quarters down to MIN_MIXED_DECODE_ROWS
-    (steps with prompt rows)."""
+    (steps with prompt rows). A prefill engine: zero decode rows only."""
+    if cfg.role == "prefill":
+        return (0,)
     shrink, least = (2, MIN_DECODE_ROWS) if rows == 0 else (4, MIN_MIXED_DECODE_ROWS)
     sizes, d = [cfg.max_slots], cfg.max_slots // shrink
     while d >= least:
@@ -59,12 +65,31 @@ def decode_buckets(cfg: EngineConfig, rows: int = 0) -> tuple[int, ...]:
 
 def bucket_pairs(cfg: EngineConfig) -> tuple[tuple[int, int], ...]:
     """Every (prompt rows, decode rows) pair the engine compiles."""
-    return tuple((r, d) for r in prefill_buckets(cfg) for d in decode_buckets(cfg, r))
+    rows = (0,) if cfg.role == "decode" else prefill_buckets(cfg)
+    return tuple((r, d) for r in rows for d in decode_buckets(cfg, r))
 
 
 def pick_decode_bucket(cfg: EngineConfig, decodes: int, rows: int = 0) -> int:
     """Smallest decode bucket holding ``decodes`` rows, for a step of ``rows`` prompt rows."""
     return next(b for b in decode_buckets(cfg, rows) if b >= decodes)
+
+
+def handover_page_buckets(cfg: EngineConfig) -> tuple[int, ...]:
+    """Page counts a handover's copy is padded to (``engine/handover.py``): powers of two, then
+    ``max_pages_per_seq``; a handover moves less than twice the pages its request holds."""
+    top, sizes, n = cfg.max_pages_per_seq, [], 1
+    while n < top:
+        sizes.append(n)
+        n *= 2
+    return (*sizes, top)
+
+
+def pick_handover_bucket(cfg: EngineConfig, pages: int) -> int:
+    """The smallest handover page bucket holding ``pages`` pages."""
+    for b in handover_page_buckets(cfg):
+        if b >= pages:
+            return b
+    raise ValueError(f"{pages} pages exceed max_pages_per_seq={cfg.max_pages_per_seq}")
 
 
 def max_page_writes(cfg: EngineConfig) -> int:

@@ -16,6 +16,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *KV_STORAGE_DTYPES)  # "auto": the model dtype
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 SCHEDULING_POLICIES = ("priority", "fcfs", "fair")
+ROLES = ("mixed", "prefill", "decode")
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 
 
@@ -81,6 +82,10 @@ class EngineConfig:
     ngram_min / ngram_max: the n-gram lengths the proposer tries, longest first.
     tp: tensor parallelism — devices one engine replica's model and KV pool are split over.
     dp: data parallelism — engine replicas (each on its own ``tp`` devices) behind one router.
+    role: what the engine runs (``docs/scaling.md``, disaggregation): "mixed" (prompts and
+        decodes), "prefill" (prompt chunks only: no decode rows are compiled; a request whose
+        prompt is done is handed over to a decode engine) or "decode" (decode-only programs;
+        takes handed-over requests only and preempts by swapping).
     """
 
     max_slots: int = 8
@@ -111,6 +116,7 @@ class EngineConfig:
     ngram_max: int = 4
     tp: int = 1
     dp: int = 1
+    role: str = "mixed"
 
     def __post_init__(self):
         for name in (
@@ -142,6 +148,13 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
+            )
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role == "prefill" and self.speculative is not None:
+            raise ValueError(
+                f"speculative={self.speculative!r} with role='prefill': a prefill engine never "
+                f"decodes (speculate on the decode engine)"
             )
         object.__setattr__(self, "tenant_weights", check_weights(self.tenant_weights))
         self._check_speculative()
@@ -189,6 +202,12 @@ class EngineConfig:
                 f"(got speculative={self.speculative!r}, "
                 f"speculative_model={self.speculative_model!r})"
             )
+        if self.speculative == "draft" and self.role != "mixed":
+            raise ValueError(
+                f"speculative='draft' with role={self.role!r}: the draft's pool needs the draft "
+                f"run over every prompt, which disaggregated prefill does not do (use "
+                f"speculative='ngram' on the decode engine)"
+            )
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}"
@@ -216,6 +235,12 @@ class EngineConfig:
                 raise ValueError("quantize_lm_head=True needs quantization (e.g. 'int8')")
             return None
         return WeightQuant(self.quantization, self.quantize_lm_head)
+
+    @property
+    def swaps(self) -> bool:
+        """Whether the swap programs are compiled: swap preemption, or a handover (any role but
+        "mixed": a prefill engine swaps a finished prompt out, a decode engine swaps it in)."""
+        return self.preemption_mode != "recompute" or self.role != "mixed"
 
     @property
     def kv_storage_dtype(self):

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int32
 
-from jbatch.engine import swap
+from jbatch.engine import buckets, swap
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import engine_step, unpack_output
 from jbatch.engine.grammar import all_allowed
@@ -260,11 +260,16 @@ class EngineCore:
         )
         return traced.lower(lowering_platforms=platforms)
 
-    def swap_out(self, state: EngineState, slot: int, pages: np.ndarray):
-        return self._swap_out(state, np.int32(slot), pages)
+    def swap_out(self, state: EngineState, slot: int, pages: np.ndarray, n: int | None = None):
+        """Copy ``slot`` out; ``n``: only the first ``n`` entries of ``pages`` (a handover's
+        page bucket), else all ``max_pages_per_seq``."""
+        return self._swap_out(state, np.int32(slot), pages if n is None else pages[:n])
 
     def swap_in(self, state: EngineState, slot: int, pages: np.ndarray, saved) -> EngineState:
-        return self._swap_in(state, np.int32(slot), pages, saved)
+        """Write ``saved`` into ``pages`` (padded to ``max_pages_per_seq``; cut to the pages
+        ``saved`` holds) of ``slot``."""
+        n = jax.tree.leaves(saved.kv)[0].shape[0]
+        return self._swap_in(state, np.int32(slot), pages[:n], saved)
 
     def unused_pages(self) -> np.ndarray:
         """A page list of only padding (``num_pages``), the shape swap functions take."""
@@ -282,8 +287,11 @@ class EngineCore:
         return saved if self.host == self.device else jax.device_put(saved, self.host)
 
     def to_device(self, saved: swap.SwappedSlot) -> swap.SwappedSlot:
+        """A swapped slot from host RAM (``to_host``) or from another engine's devices (a
+        handover) onto this engine's placement."""
         if self.mesh is not None:
-            return jax.tree.map(lambda h, s: h.to_device(s), saved, self.swapped_sharding)
+            put = lambda h, s: jax.device_put(h, s) if isinstance(h, jax.Array) else h.to_device(s)
+            return jax.tree.map(put, saved, self.swapped_sharding)
         return jax.device_put(saved, self.device)
 
     def warmup(self, params: dict, state: EngineState) -> EngineState:
@@ -293,10 +301,15 @@ class EngineCore:
             [self.lower_step(params, state, *key) for key in self.layouts]
             + [self._lower(params, state, inp) for inp in spec_inputs]
         )
-        if self.cfg.preemption_mode != "recompute":
+        if self.cfg.swaps:
             state, saved = self.swap_out(state, 0, self.unused_pages())
             saved = self.to_device(self.to_host(saved))  # the round trip a swap makes
             state = self.swap_in(state, 0, self.unused_pages(), saved)
+        if self.cfg.role != "mixed":  # handovers: out on a prefill engine, in on a decode one
+            for n in buckets.handover_page_buckets(self.cfg):
+                state, saved = self.swap_out(state, 0, self.unused_pages(), n)
+                if self.cfg.role == "decode":
+                    state = self.swap_in(state, 0, self.unused_pages(), saved)
         for rows, decode_rows in self.layouts:
             inp = self.new_input(rows, decode_rows)
             inp.release[:] = True  # retire every slot: warm-up leaves none active

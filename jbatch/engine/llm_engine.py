@@ -46,6 +46,7 @@ from jbatch.engine import (
     speculator,
     stop_checker,
 )  # fmt: skip
+from jbatch.engine.buckets import pick_handover_bucket
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.draft_proposer import DRAFT_PARAMS, load_draft
 from jbatch.engine.engine_core import EngineCore
@@ -107,7 +108,8 @@ class LLMEngine:
             params = {**params, DRAFT_PARAMS: draft.params}
         self.params = params
         self.state = self.core.init_state()
-        self._swap_compiled = cfg.preemption_mode != "recompute"
+        self._swap_compiled = cfg.swaps
+        self.handed_over: list[Request] = []  # prefill role: swapped out for a decode engine
         if warmup:
             self.state = self.core.warmup(params, self.state)
         self.scheduler = Scheduler(cfg)
@@ -138,6 +140,8 @@ class LLMEngine:
         ``output_kind``: stream deltas every step (DELTA) or one whole output at the end.
         ``tenant``: who the request belongs to (None: ``"default"``), for fair share."""
         params = params or SamplingParams()
+        if self.cfg.role == "decode":
+            raise ValueError("a role='decode' engine takes handed-over requests only")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         tenant = check_tenant(tenant)
@@ -304,6 +308,11 @@ class LLMEngine:
             seq.swapped = core.to_host(saved)
             counters["swap_outs"] += 1
             counters["dispatches"] += 1
+        for seq, slot, pages in sched.handovers:  # stays on the device: handover.take_ready
+            n = pick_handover_bucket(self.cfg, len(pages))
+            self.state, seq.swapped = core.swap_out(self.state, slot, self._pages(pages), n)
+            self.handed_over.append(seq)
+            counters["dispatches"] += 1
         work = not sched.empty
         # Releases may wait for the next step (a released slot is never listed to decode), but
         # must land before a swap-in reuses their slot; inserts go out now.
@@ -461,6 +470,7 @@ class LLMEngine:
     def _reset(self, requeue_waiting: bool, reason: str) -> list[Request]:
         self.state = self.core.init_state()
         self._inflight.clear()
+        self.handed_over.clear()
         old, self.scheduler = self.scheduler, Scheduler(self.cfg)
         pristine = whole_families([s for s in old.waiting if s.admitted_at < 0 and not s.inflight])
         if requeue_waiting:

@@ -173,8 +173,8 @@ class MockCore:
 
     to_device = to_host
 
-    def swap_out(self, st: MockState, slot, pages):
-        idx = np.clip(pages, 0, self.cfg.num_pages - 1)
+    def swap_out(self, st: MockState, slot, pages, n=None):
+        idx = np.clip(pages if n is None else pages[:n], 0, self.cfg.num_pages - 1)
         fields = (
             "tokens",
             "seq_lens",
@@ -189,8 +189,9 @@ class MockCore:
         return st, saved
 
     def swap_in(self, st: MockState, slot, pages, saved):
-        real = pages < self.cfg.num_pages
-        st.pool[pages[real]] = saved["pool"][real]
+        cut = pages[: len(saved["pool"])]  # a handover's copy holds fewer pages
+        real = cut < self.cfg.num_pages
+        st.pool[cut[real]] = saved["pool"][real]
         st.page_tables[slot] = pages
         for f, v in saved.items():
             if f != "pool":

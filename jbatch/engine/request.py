@@ -19,6 +19,7 @@ _NO_LIMIT = float("inf")
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    HANDED_OVER = "handed_over"  # prefill role: swapped out for a decode engine (handover.py)
     FINISHED = "finished"
 
 

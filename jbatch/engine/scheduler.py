@@ -57,6 +57,9 @@ class SchedulerOutput:
     # (a swapped-in sequence runs from the next step on).
     swap_outs: list[tuple[Request, int, list[int]]] = dataclasses.field(default_factory=list)
     swap_ins: list[tuple[Request, int, list[int]]] = dataclasses.field(default_factory=list)
+    # Prefill role: (sequence, slot, pages) of prompts done, copied out before the step for a
+    # decode engine (``handover.py``); their slots and pages are free for this step.
+    handovers: list[tuple[Request, int, list[int]]] = dataclasses.field(default_factory=list)
     prompt_rows: int = 0  # chunk rows used, before rounding up to a bucket
     # (sequence, slot) of every sequence that receives a token from this step; the slot is kept
     # because a preemption may take it from the sequence before the token is read.
@@ -118,6 +121,8 @@ class Scheduler:
 
     def _swap_instead(self, seq: Request) -> bool:
         mode = self.cfg.preemption_mode
+        if self.cfg.role == "decode":
+            return True  # a decode engine has no prefill programs to recompute with
         return mode == "swap" or (
             mode == "auto" and seq.num_computed > self.cfg.max_num_batched_tokens
         )
@@ -199,7 +204,10 @@ class Scheduler:
                 out.drafts = None  # nothing to verify: an ordinary decode step
             out.releases, self.pending_releases = self.pending_releases, []
             return out
-        self._schedule_decodes(out)
+        if self.cfg.role == "prefill":
+            self._schedule_handovers(out)
+        else:
+            self._schedule_decodes(out)
         budget = self.cfg.max_num_batched_tokens - len(out.decodes)
         rows = buckets.prefill_buckets(self.cfg)[-1]
         for seq in sorted(self.running.values(), key=self._victim_key):
@@ -234,6 +242,16 @@ class Scheduler:
                 seq.num_sampled += 1
                 seq.inflight += 1
                 self.ledger.charge(seq.tenant, output=1)
+
+    def _schedule_handovers(self, out: SchedulerOutput) -> None:
+        """Prefill role: a request whose last prompt chunk went out in an earlier step (its
+        first token is in the device state, or on its way) is copied out for a decode engine;
+        its slot and pages are free for this step, as after a swap-out."""
+        for seq in [s for s in self.running.values() if not s.prefilling]:
+            out.handovers.append((seq, seq.slot, list(seq.pages)))
+            seq.swapped_pages = len(seq.pages)
+            self._free_slot(seq)
+            seq.status = RequestStatus.HANDED_OVER
 
     def _drafts(self, seq: Request, propose, out: SchedulerOutput) -> list[int]:
         """``seq``'s proposals for a speculative step, with pages for all of them (no pages

@@ -6,6 +6,8 @@ model's pool (speculative decoding) with the target's — and its rows of every 
 and retires the slot. ``swap_in`` writes them into freshly allocated pages of any free slot and
 reactivates it: the sequence continues as if nothing happened — same positions, RNG counter
 and penalty statistics, no recomputation.
+A handover (``handover.py``) uses the same two functions with fewer page entries (a page bucket,
+``buckets.handover_page_buckets``).
 """
 
 from __future__ import annotations
@@ -59,11 +61,13 @@ def swap_in(
     put = lambda buf, data: buf.at[pages].set(data.astype(buf.dtype), mode="drop")
     cache = jax.tree.map(put, state.cache, saved.kv)
     draft_cache = jax.tree.map(put, state.draft_cache, saved.draft_kv)
+    pad = state.page_tables.shape[1] - pages.shape[0]  # a handover's copy: fewer pages
+    row = jnp.concatenate([pages, jnp.full(pad, state.cache.num_pages, pages.dtype)])
     rows = {f: getattr(state, f).at[slot].set(saved.rows[f]) for f in _ROW_FIELDS}
     return state.replace(
         cache=cache,
         draft_cache=draft_cache,
-        page_tables=state.page_tables.at[slot].set(pages),
+        page_tables=state.page_tables.at[slot].set(row),
         active=state.active.at[slot].set(True),
         sampling=jax.tree.map(lambda a, r: a.at[slot].set(r), state.sampling, saved.sampling),
         prompt_mask=state.prompt_mask.at[slot].set(saved.prompt_mask),
