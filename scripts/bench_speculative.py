@@ -9,16 +9,17 @@ Workloads, greedy, on the built-in demo model (or ``--model``):
   its first 8 tokens again, so the continuation copies spans of the prompt (what an editing or
   refactoring agent's answer does); 48 output tokens.
 - ``free``: free generation from 24 tokens of source; 64 output tokens (the draft model's
-  case).
+  case: ``--draft DIR``, default the demo model's 1-layer draft, ``jbatch/demo_model/draft``).
 
 The demo model was trained on 128-token windows, so both stay within 128 positions (past
 them its output degrades into noise no proposer predicts).
 
-Two engines in one process — the same model and sizes, ``speculative=None`` and
-``speculative="ngram"`` — run each (workload, batch) alternately for ``--reps`` repetitions;
-medians of the ratios are reported (the machine is shared: ratios, not absolute times). A
-batch of B is B requests submitted together (batch 1: ``--solo`` requests one after another).
-Writes a JSON record and a PNG plot next to it.
+Three engines in one process — the same model and sizes, ``speculative=None``,
+``speculative="ngram"`` and ``speculative_model=DRAFT`` — run each (workload, batch) in turn
+(the order rotating) for ``--reps`` repetitions; medians of the ratios to plain are
+reported (the machine is shared: ratios, not absolute times). A batch of B is B requests
+submitted together (batch 1: ``--solo`` requests one after another). Writes a JSON record
+and a PNG plot next to it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 
 from jbatch import LLM, SamplingParams
-from jbatch.demo import demo_model_path
+from jbatch.demo import demo_draft_path, demo_model_path
 
 
 def source_texts(n: int, chars: int) -> list[str]:
@@ -91,14 +92,19 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["edit", "free"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--draft", help="draft checkpoint (default: the demo model's; 'none': skip)")
     ap.add_argument("--out", default="docs/bench_speculative.json")
     args = ap.parse_args()
     model = args.model or str(demo_model_path())
     sizes = dict(max_slots=max(args.batches), num_pages=2048, max_seq_len=1024)
+    spec = dict(num_speculative_tokens=args.k)
     engines = {
         "plain": LLM(model, **sizes),
-        "ngram": LLM(model, **sizes, speculative="ngram", num_speculative_tokens=args.k),
+        "ngram": LLM(model, **sizes, speculative="ngram", **spec),
     }
+    draft = args.draft or (None if args.model else str(demo_draft_path()))
+    if draft and draft != "none":
+        engines["draft"] = LLM(model, **sizes, speculative_model=draft, **spec)
     tokenizer = engines["plain"].engine.tokenizer
     rows = []
     for workload in args.workloads:
@@ -106,21 +112,18 @@ def main() -> None:
         for batch in args.batches:
             prompts = prompts_for(tokenizer, workload, args.solo if batch == 1 else batch)
             reps = {name: [] for name in engines}
+            names = list(engines)
             for rep in range(args.reps):
-                order = list(engines) if rep % 2 == 0 else list(engines)[::-1]
-                for name in order:
+                for name in names[rep % len(names) :] + names[: rep % len(names)]:
                     reps[name].append(run(engines[name], prompts, params, solo=batch == 1))
             same = all(r["ids"] == reps["plain"][0]["ids"] for rs in reps.values() for r in rs)
-            ratios = [
-                s["output_tok_s"] / p["output_tok_s"] for s, p in zip(reps["ngram"], reps["plain"])
-            ]
-            row = {
-                "workload": workload,
-                "batch": batch,
-                "speedup_median": round(statistics.median(ratios), 3),
-                "speedups": [round(r, 3) for r in ratios],
-                "identical_outputs": same,
-            }
+            row = {"workload": workload, "batch": batch, "identical_outputs": same}
+            for name in names[1:]:
+                ratios = [
+                    s["output_tok_s"] / p["output_tok_s"] for s, p in zip(reps[name], reps["plain"])
+                ]
+                row[f"{name}_speedup_median"] = round(statistics.median(ratios), 3)
+                row[f"{name}_speedups"] = [round(r, 3) for r in ratios]
             for name, rs in reps.items():
                 row[name] = {
                     key: statistics.median(r[key] for r in rs)
@@ -156,14 +159,17 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for workload in sorted({r["workload"] for r in rows}):
-        pts = [(r["batch"], r["speedup_median"]) for r in rows if r["workload"] == workload]
-        ax.plot(*zip(*pts), marker="o", label=workload)
+        for name in ("ngram", "draft"):
+            key = f"{name}_speedup_median"
+            pts = [(r["batch"], r[key]) for r in rows if r["workload"] == workload and key in r]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{workload}, {name}")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch (concurrent requests)")
-    ax.set_ylabel("tok/s, n-gram speculation / plain")
+    ax.set_ylabel("tok/s, speculative / plain")
     ax.legend()
-    ax.set_title("Speculative decoding (n-gram), demo model, CPU")
+    ax.set_title("Speculative decoding, demo model, CPU")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
