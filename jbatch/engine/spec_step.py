@@ -116,7 +116,7 @@ def spec_step(
     slots = jnp.broadcast_to(gs_c[:, None], (g, k1))
     hidden, cache = forward(
         params, model_cfg, state.cache, tokens.ravel(), positions.ravel(), slots.ravel(),
-        page_tables, num_decode=g * k1, block_q=block_q, attn_impl=attn_impl,
+        page_tables, num_decode=g * k1, block_q=block_q, attn_impl=attn_impl, decode_block=k1,
     )  # fmt: skip
     logits = compute_logits(params, hidden, model_cfg).reshape(g, k1, -1)  # [G, K1, V]
 

@@ -26,6 +26,8 @@ attention, which then reads every sequence through its page table.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,7 +135,11 @@ def _attention(
     impl: str,
     scale: float | None = None,
     logit_cap: float | None = None,
+    decode_block: int = 1,
 ) -> Float[Array, "t h d"]:
+    """``decode_block`` > 1: the decode rows come in groups of that many rows of one sequence
+    (speculative steps), which the XLA paths attend as one block (one page-table walk per
+    group, not per row)."""
     t, h, d = q.shape
     kp, vp = cache.pages(layer)  # [P, S, KVH, D] each (views of the TPU layout)
     scales = dict(zip(("k_scales", "v_scales"), cache.scales(layer)))  # 8-bit pools: [P, S, KVH]
@@ -159,12 +165,14 @@ def _attention(
         )
     outs = []
     if num_decode:
+        nb, bd = num_decode // decode_block, decode_block
+        block_slots = jnp.clip(slots[:num_decode:bd], 0, page_tables.shape[0] - 1)  # [Nd / Bd]
         o = paged_attention(
-            q[:num_decode, None],  # [Nd, 1, H, D]
+            q[:num_decode].reshape(nb, bd, h, d),  # [Nd / Bd, Bd, H, D]
             kp,
             vp,
-            page_tables[jnp.clip(slots[:num_decode], 0, page_tables.shape[0] - 1)],
-            positions[:num_decode, None],
+            page_tables[block_slots],
+            positions[:num_decode].reshape(nb, bd),
             sliding_window=sliding_window,
             scale=scale,
             soft_cap=logit_cap,
@@ -206,13 +214,22 @@ def forward(
     attn_impl: str = "auto",
     attention=None,
     experts=None,
+    decode_block: int = 1,
 ) -> tuple[Float[Array, "t e"], KVCache]:
     """Run the decoder over a flat token batch; returns final-norm hidden states and the pool.
 
     ``attention`` replaces the per-layer attention call (same arguments as ``_attention``);
     tensor parallelism passes a ``shard_map`` of it (``jbatch.parallel.attention``), and
-    likewise ``experts`` for :func:`jbatch.models.moe.expert_outputs`."""
+    likewise ``experts`` for :func:`jbatch.models.moe.expert_outputs`. ``decode_block``: the
+    decode rows are groups of that many rows of one sequence each (``_attention``)."""
     attend = _attention if attention is None else attention
+    if decode_block > 1:
+        if attention is not None or num_decode % decode_block:
+            raise ValueError(
+                f"decode_block={decode_block} needs the built-in attention and a multiple of "
+                f"it as num_decode={num_decode}"
+            )
+        attend = functools.partial(_attention, decode_block=decode_block)
     t = tokens.shape[0]
     if num_decode > t or (t - num_decode) % block_q:
         raise ValueError(
