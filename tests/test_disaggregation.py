@@ -125,6 +125,9 @@ def test_same_tokens_as_a_mixed_engine(seed):
     assert engine.handovers == sum(n > 1 for _, n, _ in requests)
     assert all(engine.handed_to) and sum(d.stats().swap_outs for d in decodes) > 0
     assert prefill.stats().prefix_cache_hits > 0
+    # The decode side reuses its own prefix cache: the shared prompt pages it already holds
+    # are not written again (swap-ins share them).
+    assert sum(d.stats().prefix_cache_hits for d in decodes) > 0
     for side in (prefill, *decodes):
         side.scheduler.check_invariants()
         assert side.scheduler.allocator.num_used == 0 and not side.scheduler.running
@@ -199,6 +202,7 @@ def test_tp_disaggregation_matches_a_mixed_engine(inprocess):
 
 def test_tp_disaggregation_exercises_cache_and_preemption(inprocess):
     assert inprocess["prefix_hits"]["prefill"] > 0
+    assert inprocess["prefix_hits"]["decode"] > 0  # handed-over prompts share cached pages
     assert inprocess["swap_outs"]["decode"] > 0  # the small decode pool preempted by swapping
     assert inprocess["programs"] == {
         "prefill": [[8, 0], [32, 0]],

@@ -165,7 +165,10 @@ class EngineCore:
             swap.swap_out, in_shardings=(st, rep, rep), out_shardings=(st, saved), donate_argnums=0
         )
         self._swap_in = jax.jit(
-            swap.swap_in, in_shardings=(st, rep, rep, saved), out_shardings=st, donate_argnums=0
+            swap.swap_in,
+            in_shardings=(st, rep, rep, saved, rep),
+            out_shardings=st,
+            donate_argnums=0,
         )
 
     # ---- the engine's calls ----------------------------------------------------------------------
@@ -265,11 +268,16 @@ class EngineCore:
         page bucket), else all ``max_pages_per_seq``."""
         return self._swap_out(state, np.int32(slot), pages if n is None else pages[:n])
 
-    def swap_in(self, state: EngineState, slot: int, pages: np.ndarray, saved) -> EngineState:
+    def swap_in(
+        self, state: EngineState, slot: int, pages: np.ndarray, saved, shared: int = 0
+    ) -> EngineState:
         """Write ``saved`` into ``pages`` (padded to ``max_pages_per_seq``; cut to the pages
-        ``saved`` holds) of ``slot``."""
+        ``saved`` holds) of ``slot``; the first ``shared`` pages are prefix-cache hits the slot
+        shares, not written."""
         n = jax.tree.leaves(saved.kv)[0].shape[0]
-        return self._swap_in(state, np.int32(slot), pages[:n], saved)
+        write = pages[:n].copy()
+        write[:shared] = self.cfg.num_pages
+        return self._swap_in(state, np.int32(slot), pages[:n], saved, write)
 
     def unused_pages(self) -> np.ndarray:
         """A page list of only padding (``num_pages``), the shape swap functions take."""

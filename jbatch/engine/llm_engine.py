@@ -337,7 +337,8 @@ class LLMEngine:
             self.scheduler.pending_releases += sched.releases
         for seq, slot, pages in sched.swap_ins:
             saved = core.to_device(seq.swapped)
-            self.state = core.swap_in(self.state, slot, self._pages(pages), saved)
+            shared = seq.swap_shared_pages  # prefix-cache hits: shared, not written
+            self.state = core.swap_in(self.state, slot, self._pages(pages), saved, shared)
             seq.swapped = None
             counters["dispatches"] += 1
         if not work:

@@ -188,9 +188,10 @@ class MockCore:
         st.active[slot] = False
         return st, saved
 
-    def swap_in(self, st: MockState, slot, pages, saved):
+    def swap_in(self, st: MockState, slot, pages, saved, shared: int = 0):
         cut = pages[: len(saved["pool"])]  # a handover's copy holds fewer pages
         real = cut < self.cfg.num_pages
+        real[:shared] = False  # prefix-cache hits: shared, not written
         st.pool[cut[real]] = saved["pool"][real]
         st.page_tables[slot] = pages
         for f, v in saved.items():

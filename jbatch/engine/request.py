@@ -77,6 +77,7 @@ class Request:
     preempted_at: int = -1  # scheduler step of the last preemption
     swapped: object | None = None  # host copy of pages + slot rows while swapped out
     swapped_pages: int = 0  # pages the swapped copy holds
+    swap_shared_pages: int = 0  # of those, prefix-cache hits the swap-in shares (not written)
     first_token_time: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

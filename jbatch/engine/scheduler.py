@@ -322,12 +322,13 @@ class Scheduler:
             if seq.inflight or seq.preempted_at == self.num_steps:
                 continue  # still owed tokens from the step in flight, or evicted just now
             if seq.swapped_pages:
-                if self.allocator.num_free < seq.swapped_pages:
+                pages = self._swap_in_pages(seq)
+                if pages is None:
                     break  # the head of the queue waits for pages; nobody overtakes it
                 self.waiting.remove(seq)
                 slot = self.free_slots.pop(0)
-                pages = self.allocator.allocate(seq.swapped_pages)
                 seq.resume(slot, self._admissions, pages)
+                seq.registered_pages = seq.swap_shared_pages  # the hits are registered already
                 self._admissions += 1
                 self.running[slot] = seq
                 out.swap_ins.append((seq, slot, pages))  # written back after this step
@@ -344,6 +345,20 @@ class Scheduler:
             self.running[slot] = seq
             out.inserts.append(seq)
             budget, rows = self._schedule_chunk(seq, budget, rows, out)
+
+    def _swap_in_pages(self, seq: Request) -> list[int] | None:
+        """Pages for a swapped-out (or handed-over) sequence: its full pages the prefix cache
+        holds — the same tokens' K/V, shared — then fresh ones; None if too few are free."""
+        hits = []
+        if self._cacheable(seq):
+            n = seq.hash_pages(min(seq.num_computed, seq.num_tokens - 1), self.cfg.page_size)
+            hits = self.allocator.lookup(seq.page_hash_chain[: min(n, seq.swapped_pages)])
+        need = seq.swapped_pages - len(hits)
+        if need > self.allocator.num_free:
+            self.allocator.free(hits)
+            return None
+        seq.swap_shared_pages = len(hits)
+        return hits + self.allocator.allocate(need)
 
     def _start_pages(self, seq: Request, out: SchedulerOutput) -> list[int] | None:
         """Pages ``seq`` starts with, referenced, not computed: its siblings' prompt pages

@@ -55,10 +55,14 @@ def swap_in(
     slot: Int32[Array, ""],
     pages: Int32[Array, " max_pages"],
     saved: SwappedSlot,
+    write_pages: Int32[Array, " max_pages"] | None = None,
 ) -> EngineState:
-    """Write a swapped-out sequence into fresh ``pages`` (entries == num_pages are padding) of a
-    free ``slot`` and reactivate it."""
-    put = lambda buf, data: buf.at[pages].set(data.astype(buf.dtype), mode="drop")
+    """Write a swapped-out sequence into ``pages`` (entries == num_pages are padding) of a free
+    ``slot`` and reactivate it. ``write_pages`` (default ``pages``): where each saved page is
+    written — ``num_pages`` for a page the engine's prefix cache already holds, which the slot's
+    page table then shares instead."""
+    write = pages if write_pages is None else write_pages
+    put = lambda buf, data: buf.at[write].set(data.astype(buf.dtype), mode="drop")
     cache = jax.tree.map(put, state.cache, saved.kv)
     draft_cache = jax.tree.map(put, state.draft_cache, saved.draft_kv)
     pad = state.page_tables.shape[1] - pages.shape[0]  # a handover's copy: fewer pages
