@@ -10,6 +10,13 @@ Workloads, greedy, on the built-in demo model (or ``--model``):
   refactoring agent's answer does); 48 output tokens.
 - ``free``: free generation from 24 tokens of source; 64 output tokens (the draft model's
   case: ``--draft DIR``, default the demo model's 1-layer draft, ``jbatch/demo_model/draft``).
+- ``reask``: an agent asking again with its earlier answer in the context — 24 tokens of
+  source ``S``, the model's own 40-token greedy answer ``A`` to ``S``, then ``S`` again; 40
+  output tokens. The demo model does not copy arbitrary text (``edit``'s continuation shares
+  few spans with its prompt), but it does repeat its own answer here.
+
+Each row reports ``copy_fraction``: the share of output tokens whose trigram (with the two
+tokens before it) occurs in the prompt — how much of the output repeats prompt spans.
 
 The demo model was trained on 128-token windows, so both stay within 128 positions (past
 them its output degrades into noise no proposer predicts).
@@ -50,14 +57,30 @@ def source_texts(n: int, chars: int) -> list[str]:
     return out
 
 
-WORKLOADS = {"edit": 48, "free": 64}  # output tokens
+WORKLOADS = {"edit": 48, "free": 64, "reask": 40}  # output tokens
 
 
-def prompts_for(tokenizer, workload: str, n: int) -> list[list[int]]:
+def prompts_for(tokenizer, workload: str, n: int, answer=None) -> list[list[int]]:
+    """``answer(prompts, max_tokens)``: greedy outputs of the plain engine (for ``reask``)."""
     ids = [tokenizer.encode(t) for t in source_texts(n, 1200)]
     if workload == "edit":  # the code, then its first tokens again: the rest is a copy
         return [t[:56] + t[:8] for t in ids]
+    if workload == "reask":  # S, the model's answer to S, S again
+        sources = [t[:24] for t in ids]
+        return [s + a + s for s, a in zip(sources, answer(sources, WORKLOADS["reask"]))]
     return [t[:24] for t in ids]
+
+
+def copy_fraction(prompts: list[list[int]], outputs: list[list[int]]) -> float:
+    """Share of output tokens whose trigram ending at them occurs in the prompt."""
+    hits = total = 0
+    for prompt, out in zip(prompts, outputs):
+        grams = {tuple(prompt[i : i + 3]) for i in range(len(prompt) - 2)}
+        stream = prompt + out
+        for i in range(len(prompt), len(stream)):
+            hits += tuple(stream[i - 2 : i + 1]) in grams
+        total += len(out)
+    return hits / max(total, 1)
 
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, solo: bool) -> dict:
@@ -89,7 +112,7 @@ def main() -> None:
     ap.add_argument("--model", help="HF checkpoint folder (default: the built-in demo model)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 32])
     ap.add_argument("--solo", type=int, default=4, help="requests run one by one at batch 1")
-    ap.add_argument("--workloads", nargs="+", default=["edit", "free"])
+    ap.add_argument("--workloads", nargs="+", default=["edit", "free", "reask"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--draft", help="draft checkpoint (default: the demo model's; 'none': skip)")
@@ -106,18 +129,26 @@ def main() -> None:
     if draft and draft != "none":
         engines["draft"] = LLM(model, **sizes, speculative_model=draft, **spec)
     tokenizer = engines["plain"].engine.tokenizer
+
+    def answer(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = engines["plain"].generate(prompts, greedy, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
     rows = []
     for workload in args.workloads:
         params = SamplingParams(temperature=0.0, max_tokens=WORKLOADS[workload], ignore_eos=True)
         for batch in args.batches:
-            prompts = prompts_for(tokenizer, workload, args.solo if batch == 1 else batch)
+            prompts = prompts_for(tokenizer, workload, args.solo if batch == 1 else batch, answer)
             reps = {name: [] for name in engines}
             names = list(engines)
             for rep in range(args.reps):
                 for name in names[rep % len(names) :] + names[: rep % len(names)]:
                     reps[name].append(run(engines[name], prompts, params, solo=batch == 1))
             same = all(r["ids"] == reps["plain"][0]["ids"] for rs in reps.values() for r in rs)
+            copied = round(copy_fraction(prompts, reps["plain"][0]["ids"]), 3)
             row = {"workload": workload, "batch": batch, "identical_outputs": same}
+            row["copy_fraction"] = copied
             for name in names[1:]:
                 ratios = [
                     s["output_tok_s"] / p["output_tok_s"] for s, p in zip(reps[name], reps["plain"])

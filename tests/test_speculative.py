@@ -125,6 +125,32 @@ def test_opted_out_and_penalised_requests_are_decoded_as_without_speculation(
         assert_teacher_forced(model, prompt, out.outputs[0].token_ids)
 
 
+def test_speculative_steps_overlap_and_the_device_clips_to_the_pool(spec_llama, monkeypatch):
+    """A speculative step is planned while the previous one runs (the host guesses how far it
+    got; the device picks the proposals that follow its real last token): most speculative
+    steps of one long request are dispatched with another in flight. Runs up to
+    ``max_seq_len`` stay HF's (the device clips proposals to the pool it knows)."""
+    llm, model = spec_llama
+    engine = llm.engine
+    overlapped = []
+    dispatch = engine.core.step
+
+    def step(params, state, inp, bitmask=None):
+        if inp.layout.key[0] == "spec":
+            prev = engine._inflight[-1][0] if engine._inflight else None
+            overlapped.append(prev is not None and prev.drafts is not None)
+        return dispatch(params, state, inp, bitmask)
+
+    monkeypatch.setattr(engine.core, "step", step)
+    prompt = repetitive_prompts(384, 1, seed=21)[0]
+    out = llm.generate([prompt], GREEDY.replace(max_tokens=None), use_tqdm=False)[0]
+    tokens = out.outputs[0].token_ids
+    assert len(tokens) == SPEC["max_seq_len"] - len(prompt), out.outputs[0].finish_reason
+    assert_teacher_forced(model, prompt, tokens)
+    assert len(overlapped) > 10 and sum(overlapped) >= 0.7 * len(overlapped), overlapped
+    assert_drained(llm)
+
+
 def test_stop_conditions_cut_an_accepted_run(spec_llama):
     """A stop token or max_tokens inside an accepted run ends the output exactly there."""
     llm, _ = spec_llama

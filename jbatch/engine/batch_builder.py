@@ -26,17 +26,20 @@ def build_step_input(cfg: EngineConfig, core, sched: SchedulerOutput) -> StepInp
 
 def build_spec_input(cfg: EngineConfig, core, sched: SchedulerOutput) -> StepInput:
     """The input of a speculative step (``spec_step.py``): one group per decode, in the order
-    of ``sched.decodes``, with its proposals; releases, inserts and page writes as above."""
+    of ``sched.decodes``, with its proposal; releases, inserts and page writes as above."""
     groups = buckets.pick_spec_bucket(cfg, len(sched.decodes))
     inp = core.new_spec_input(groups)
     inp.release[sched.releases] = True
     for seq in sched.inserts:
         _fill_insert(cfg, inp.insert, seq)
     batch = inp.batch
-    for g, (seq, drafts) in enumerate(zip(sched.decodes, sched.drafts)):
+    for g, (seq, proposal) in enumerate(zip(sched.decodes, sched.drafts)):
         batch.group_slots[g] = seq.slot
-        batch.num_drafts[g] = len(drafts)
-        batch.draft_tokens[g, : len(drafts)] = drafts
+        if proposal is not None:
+            n = min(len(proposal.tokens), batch.cont.shape[1])
+            batch.max_drafts[g], batch.anchor[g] = proposal.cap, proposal.anchor
+            batch.cont_len[g] = n
+            batch.cont[g, :n] = proposal.tokens[:n]
         if seq.params.logprobs is not None:
             batch.want_top_logprobs[seq.slot] = True
     _fill_page_writes(batch, sched)

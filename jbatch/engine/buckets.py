@@ -113,10 +113,18 @@ def spec_buckets(cfg: EngineConfig) -> tuple[int, ...]:
 
 
 def max_spec_page_writes(cfg: EngineConfig) -> int:
-    """Upper bound on page-table entries one speculative step assigns: each group's K + 1 rows
-    straddle at most ``ceil(K / page_size) + 1`` new pages."""
-    k1 = cfg.num_speculative_tokens + 1
-    return cfg.speculative_max_batch * (-(-k1 // cfg.page_size) + 1)
+    """Upper bound on page-table entries one speculative step assigns: each group's K + 1 rows,
+    after up to K rows the step in flight may have accepted, straddle at most
+    ``ceil((2K + 1) / page_size) + 1`` new pages."""
+    rows = 2 * cfg.num_speculative_tokens + 1
+    return cfg.speculative_max_batch * (-(-rows // cfg.page_size) + 1)
+
+
+def spec_continuation(cfg: EngineConfig) -> int:
+    """Length of a speculative group's host continuation (``spec_step.SpecBatch.cont``): the
+    last token the host has read, up to K + 1 tokens the step in flight may emit, K
+    proposals after them."""
+    return 2 * cfg.num_speculative_tokens + 2
 
 
 def pick_spec_bucket(cfg: EngineConfig, groups: int) -> int:

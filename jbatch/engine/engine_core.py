@@ -43,9 +43,10 @@ class StepResult:
     logprobs: np.ndarray
     top: HostTopLogprobs | None = None  # per slot (``logprobs.py``; None: a stand-in core)
     prompt_top: HostTopLogprobs | None = None  # per prompt-chunk row
-    # A speculative step's (tokens [G, K+1], logprobs [G, K+1], counts [G]) per group, in the
-    # order of its input's ``group_slots`` (``spec_step.py``); None for other steps.
-    spec: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # A speculative step's (tokens [G, K+1], logprobs [G, K+1], counts [G], proposals verified
+    # [G]) per group, in the order of its input's ``group_slots`` (``spec_step.py``); None for
+    # other steps.
+    spec: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 @dataclasses.dataclass
@@ -110,8 +111,10 @@ class EngineCore:
     def _jit_single(self, step_kwargs: dict) -> None:
         jit = lambda layout: jax.jit(self._packed_step(layout, **step_kwargs), donate_argnums=1)
         self._steps = {key: jit(layout) for key, layout in self.layouts.items()}
+        k = self.cfg.num_speculative_tokens
         spec = lambda layout: jax.jit(
-            self._packed_spec_step(layout, **step_kwargs), donate_argnums=1
+            self._packed_spec_step(layout, num_speculative_tokens=k, **step_kwargs),
+            donate_argnums=1,
         )
         self._steps.update({key: spec(layout) for key, layout in self.spec_layouts.items()})
         if self.cfg.structured_overlap:
@@ -198,17 +201,14 @@ class EngineCore:
         bitmask: Int32[np.ndarray, "slots words"] | None = None,
     ) -> tuple[EngineState, _Pending]:
         """Dispatch one step (returns at once); the result's host copy is already under way.
-        ``bitmask``: tokens each slot may sample (``grammar.GrammarCompiler.bitmask``; a fresh
-        array per step), None: all."""
+        ``inp``: from :meth:`new_input`, or :meth:`new_spec_input` for a speculative step
+        (:meth:`fetch` then returns its per-group results in ``StepResult.spec``). ``bitmask``:
+        tokens each slot may sample (``grammar.GrammarCompiler.bitmask``; a fresh array per
+        step), None: all."""
         key = _key_of(inp)
         state, packed = self._steps[key](params, state, inp.ints, inp.floats, self._mask(bitmask))
         self.programs_run[key] += 1
         return state, self._dispatched_step(inp, packed)
-
-    def spec_step(self, params: dict, state: EngineState, inp: StepInput, bitmask=None):
-        """Dispatch a speculative step (``spec_step.py``; an input of :meth:`new_spec_input`);
-        :meth:`fetch` returns its per-group results in ``StepResult.spec``."""
-        return self.step(params, state, inp, bitmask)
 
     def forward(self, params: dict, state: EngineState, inp: StepInput):
         """Dispatch the forward half of a step (``split_step.py``; ``structured_overlap``)."""
@@ -235,7 +235,7 @@ class EngineCore:
         local.copy_to_host_async()
         spec = None
         if _key_of(inp)[0] == "spec":
-            spec = inp.batch.draft_tokens.shape[0], inp.batch.draft_tokens.shape[1] + 1
+            spec = inp.batch.group_slots.shape[0], self.cfg.num_speculative_tokens + 1
         return _Pending(self._dispatched - 1, packed, local, spec)
 
     def fetch(self, pending: _Pending) -> StepResult:
@@ -330,7 +330,7 @@ class EngineCore:
                 self.fetch(pending)
         for inp in spec_inputs:
             inp.release[:] = True
-            state, pending = self.spec_step(params, state, inp)
+            state, pending = self.step(params, state, inp)
             self.fetch(pending)
         self.programs_run.clear()
         return state

@@ -262,7 +262,11 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         outputs, early = [], []
         spec = self._speculator is not None and self._speculator.wanted(self.scheduler)
-        if spec:  # synchronous (engine/speculator.py): every step in flight is processed first
+        # While a speculative step runs the host does not know how far it gets: only another
+        # speculative step, with pages for the worst case, is planned meanwhile
+        # (engine/speculator.py); anything else waits for its result.
+        spec_running = bool(self._inflight) and self._inflight[-1][0].drafts is not None
+        if spec_running and not (spec and self._speculator.overlaps(self.scheduler)):
             outputs += self.drain()
             spec = self._speculator.wanted(self.scheduler)
         lockstep = bool(self._inflight) and _constrained(self._inflight[-1][0])
@@ -286,8 +290,7 @@ class LLMEngine:
         dispatched = self._dispatch(sched, feed_grammars, split)
         feed_grammars()  # if nothing was dispatched
         outputs += self._process_result(*early[0]) if early else []
-        overlap = self.cfg.async_scheduling and sched.drafts is None  # speculative: at once
-        keep = 1 if (dispatched and overlap) else 0
+        keep = 1 if (dispatched and self.cfg.async_scheduling) else 0
         while len(self._inflight) > keep:
             outputs += self._process(*self._inflight.popleft())
         if not (dispatched or sched.swap_ins or self._inflight) and self.scheduler.running:
@@ -319,9 +322,8 @@ class LLMEngine:
         if work or sched.inserts or (sched.releases and sched.swap_ins):
             if sched.drafts is not None:  # a speculative step (engine/spec_step.py)
                 inp = batch_builder.build_spec_input(self.cfg, core, sched)
-                self.state, handle = core.spec_step(
-                    self.params, self.state, inp, self._bitmask(sched)
-                )
+                before_step()
+                self.state, handle = core.step(self.params, self.state, inp, self._bitmask(sched))
             elif split:  # the forward runs while the previous tokens reach the grammars
                 inp = batch_builder.build_step_input(self.cfg, core, sched)
                 self.state, forwarded = core.forward(self.params, self.state, inp)

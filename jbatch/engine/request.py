@@ -68,6 +68,9 @@ class Request:
     num_computed: int = 0  # tokens whose K/V the dispatched steps write (device seq_lens)
     num_sampled: int = 0  # samples the dispatched steps draw (device num_generated)
     inflight: int = 0  # dispatched steps that sample for this sequence, not yet processed
+    # Proposals a dispatched, unprocessed speculative step may accept beyond ``num_computed``
+    # (so the device's seq_lens is at most num_computed + spec_pending; pages cover it).
+    spec_pending: int = 0
     admitted_at: int = -1  # admission counter (preemption picks the most recent)
     arrival_order: int = 0  # FCFS tie-break among equal effective priorities
     waiting_since: int = 0  # scheduler step at which the request arrived (its age counts from it)

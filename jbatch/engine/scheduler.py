@@ -46,6 +46,17 @@ class Chunk:
         return self.start + len(self.token_ids) == len(self.seq.prefill_ids)
 
 
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """What a speculative step may verify for one request (``spec_step.SpecBatch``)."""
+
+    cap: int  # proposals the step may verify: their pages are granted
+    anchor: int = 0  # stream index of tokens[0]
+    # The last stream token the host has read, then the continuation it expects (n-gram);
+    # empty: the device's draft model proposes.
+    tokens: tuple[int, ...] = ()
+
+
 @dataclasses.dataclass
 class SchedulerOutput:
     releases: list[int] = dataclasses.field(default_factory=list)  # slots to retire first
@@ -69,9 +80,9 @@ class SchedulerOutput:
     prompt_logprob_rows: list[tuple[Request, int, int, int]] = dataclasses.field(
         default_factory=list
     )
-    # A speculative step (``spec_step.py``; decode only): each decode's proposals, in the order
-    # of ``decodes``; None for an ordinary step.
-    drafts: list[list[int]] | None = None
+    # A speculative step (``spec_step.py``; decode only): each decode's proposal (None: it
+    # decodes one token), in the order of ``decodes``; None for an ordinary step.
+    drafts: list[Proposal | None] | None = None
 
     @property
     def empty(self) -> bool:
@@ -113,7 +124,7 @@ class Scheduler:
     def _free_slot(self, seq: Request) -> None:
         self._cache_generated_pages(seq)
         self.allocator.free(seq.pages)
-        seq.pages = []
+        seq.pages, seq.spec_pending = [], 0
         del self.running[seq.slot]
         self.free_slots.append(seq.slot)
         self.pending_releases.append(seq.slot)
@@ -192,15 +203,15 @@ class Scheduler:
 
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self, propose=None) -> SchedulerOutput:
-        """Plan one step. ``propose(seq, k) -> up to k tokens``: plan a speculative step
-        instead — decodes only, each with its proposals (pages for all of them, or for none)."""
+        """Plan one step. ``propose(seq, cap) -> Proposal | None``: plan a speculative step
+        instead — decodes only, each with its proposal (pages for all of it, or none)."""
         self.num_steps += 1
         out = SchedulerOutput()
         self.victim_order.begin_step(list(self.running.values()))
         if propose is not None:
             out.drafts = []
             self._schedule_decodes(out, propose)
-            if not any(out.drafts):
+            if all(p is None for p in out.drafts):
                 out.drafts = None  # nothing to verify: an ordinary decode step
             out.releases, self.pending_releases = self.pending_releases, []
             return out
@@ -227,8 +238,9 @@ class Scheduler:
         for seq in sorted(self.running.values(), key=self._victim_key):
             if seq.status is not RequestStatus.RUNNING or not seq.can_decode:
                 continue
-            drafts = self._drafts(seq, propose, out) if propose is not None else []
-            while not self._grow(seq, seq.num_computed + 1, out):
+            drafts = self._proposal(seq, propose, out) if propose is not None else None
+            # (A step in flight may have accepted up to spec_pending more tokens.)
+            while not self._grow(seq, seq.num_computed + seq.spec_pending + 1, out):
                 victim = self._victim()
                 self._preempt(victim, out)
                 if victim is seq:
@@ -253,34 +265,49 @@ class Scheduler:
             self._free_slot(seq)
             seq.status = RequestStatus.HANDED_OVER
 
-    def _drafts(self, seq: Request, propose, out: SchedulerOutput) -> list[int]:
-        """``seq``'s proposals for a speculative step, with pages for all of them (no pages
-        free: none; speculation never preempts anyone). At most K, and never past the
-        request's token budget or ``max_seq_len``."""
-        room = min(
+    def _proposal(self, seq: Request, propose, out: SchedulerOutput) -> Proposal | None:
+        """``seq``'s proposal for a speculative step, with pages for all of it (no pages free:
+        none; speculation never preempts anyone). At most K tokens, and never past the
+        request's token budget or ``max_seq_len`` as far as the host knows (the device clips
+        to what it knows: a step in flight may have emitted more)."""
+        cap = min(
             self.cfg.num_speculative_tokens,
             seq.max_tokens - seq.num_sampled - 1,
             self.cfg.max_seq_len - seq.num_computed - 1,
         )
-        drafts = propose(seq, room) if room > 0 else []
-        if not drafts:
-            return []
-        upto = seq.num_computed + 1 + len(drafts)
+        proposal = propose(seq, cap) if cap > 0 else None
+        if proposal is None:
+            return None
+        upto = min(seq.num_computed + seq.spec_pending + 1 + cap, self.cfg.max_seq_len)
         need = -(-upto // self.cfg.page_size) - len(seq.pages)
         # Keep a page in reserve per running request, so the others' next tokens still fit.
         if need > self.allocator.num_free - len(self.running):
-            return []
+            return None
         self._grow(seq, upto, out)
-        return drafts
+        seq.spec_pending += cap
+        return proposal
 
-    def accept(self, seq: Request, extra: int) -> None:
+    def spec_pages_needed(self) -> int:
+        """Pages a speculative step would take at most if every request got K proposals
+        (the engine plans one while another runs only when they are free: no preemption)."""
+        ps, k = self.cfg.page_size, self.cfg.num_speculative_tokens
+        need = 0
+        for seq in self.running.values():
+            upto = min(seq.num_computed + seq.spec_pending + 1 + k, self.cfg.max_seq_len)
+            need += max(0, -(-upto // ps) - len(seq.pages))
+        return need + len(self.running)  # the reserve of ``_proposal``
+
+    def accept(self, seq: Request, extra: int, settled: int) -> None:
         """A speculative step emitted ``extra`` tokens for ``seq`` beyond the one it was planned
-        with: advance its counters, and return the pages past its new length (their K/V came
-        from rejected proposals; the next step allocates afresh)."""
+        with (-1: none, the device found the request done) and settles ``settled`` of its
+        ``spec_pending``: advance its counters, and return the pages past what the device may
+        still write (their K/V came from rejected proposals; the next step allocates afresh)."""
         seq.num_computed += extra
         seq.num_sampled += extra
-        self.ledger.charge(seq.tenant, output=extra)
-        keep = -(-seq.num_computed // self.cfg.page_size)
+        seq.spec_pending = max(0, seq.spec_pending - settled)
+        if extra > 0:
+            self.ledger.charge(seq.tenant, output=extra)
+        keep = -(-(seq.num_computed + seq.spec_pending) // self.cfg.page_size)
         if len(seq.pages) > keep:
             self.allocator.free(seq.pages[keep:])
             del seq.pages[keep:]

@@ -7,7 +7,12 @@ bucket of ``buckets.spec_buckets``):
 1. apply page-table writes (the host gave each group pages for all its rows);
 2. group ``g`` is slot ``group_slots[g]``: row 0 feeds its last token at position
    ``seq_lens[slot]``, rows ``1..num_drafts[g]`` the proposals at the next positions, the rest
-   is padding (position -1). The model writes every row's K/V through the page table and each
+   is padding (position -1). The proposals come from a draft model run here, or from the
+   host's guessed continuation ``cont``: the step was planned while the previous one ran, so
+   the slot's last token is ``cont[seq_lens - anchor]`` if the host guessed right, and then
+   the proposals are the ``cont`` tokens after it (a wrong guess: no proposals). Either way
+   at most ``max_drafts`` (the rows the host gave pages for), the token budget and the pool
+   allow (``host_drafts``). The model writes every row's K/V through the page table and each
    row attends to the slot's pages up to its own position (``llama.forward``'s decode rows);
 3. the LM head runs on every row; ``spec_verify.verify`` accepts a prefix of the proposals
    and draws the token after it (row 0 gets penalties and the token bitmask first: a slot with
@@ -43,11 +48,19 @@ from jbatch.models.llama import compute_logits, forward
 
 @struct.dataclass
 class SpecBatch:
-    """Host inputs of a speculative step (padding groups: slot ``max_slots``)."""
+    """Host inputs of a speculative step (padding groups: slot ``max_slots``).
+
+    The host plans a step while the previous one runs, so it does not know where each slot's
+    stream ends: it sends a guessed continuation ``cont`` of the stream as it knows it —
+    ``cont[0]`` is the stream's token at index ``anchor`` (the last one the host has read),
+    then what the proposer expects to follow — and the device picks the proposals that follow
+    the slot's real last token (module doc, 2)."""
 
     group_slots: Int32[Array, " groups"]
-    num_drafts: Int32[Array, " groups"]  # proposals of the group (0..K)
-    draft_tokens: Int32[Array, "groups k"]
+    max_drafts: Int32[Array, " groups"]  # proposals the host gave pages for (0..K)
+    anchor: Int32[Array, " groups"]  # stream index of cont[0]
+    cont_len: Int32[Array, " groups"]  # valid tokens of cont (0: no host proposals)
+    cont: Int32[Array, "groups c"]  # c = buckets.spec_continuation(cfg)
     write_slots: Int32[Array, " writes"]
     write_index: Int32[Array, " writes"]
     write_pages: Int32[Array, " writes"]
@@ -58,11 +71,14 @@ class SpecBatch:
         allowed = buckets.spec_buckets(cfg)
         if groups not in allowed:
             raise ValueError(f"groups={groups} is not a speculative bucket {allowed}")
-        s, k, w = cfg.max_slots, cfg.num_speculative_tokens, buckets.max_spec_page_writes(cfg)
+        s, w = cfg.max_slots, buckets.max_spec_page_writes(cfg)
+        zeros = lambda: np.zeros(groups, np.int32)
         return cls(
             group_slots=np.full(groups, s, np.int32),
-            num_drafts=np.zeros(groups, np.int32),
-            draft_tokens=np.zeros((groups, k), np.int32),
+            max_drafts=zeros(),
+            anchor=zeros(),
+            cont_len=zeros(),
+            cont=np.zeros((groups, buckets.spec_continuation(cfg)), np.int32),
             write_slots=np.full(w, s, np.int32),
             write_index=np.zeros(w, np.int32),
             write_pages=np.zeros(w, np.int32),
@@ -72,11 +88,13 @@ class SpecBatch:
 
 @struct.dataclass
 class SpecOutput:
-    """Per group: the emitted tokens (valid up to ``count``), their logprobs, the count."""
+    """Per group: the emitted tokens (valid up to ``count``), their logprobs, the count, and
+    the proposals verified."""
 
     tokens: Int32[Array, "groups k1"]
     logprobs: Float[Array, "groups k1"]
     count: Int32[Array, " groups"]
+    num_drafts: Int32[Array, " groups"]
 
 
 def spec_step(
@@ -87,13 +105,13 @@ def spec_step(
     *,
     model_cfg: ModelConfig,
     block_q: int,
+    num_speculative_tokens: int,
     attn_impl: str = "auto",
     draft_cfg: ModelConfig | None = None,
 ) -> tuple[EngineState, StepOutput, SpecOutput]:
     """One speculative step (module doc); ``draft_cfg``: a draft model proposes on the device
-    instead of the host's ``draft_tokens`` (``draft_proposer.spec_drafts``)."""
-    s = state.max_slots
-    g, k = batch.draft_tokens.shape
+    instead of the host's continuations (``draft_proposer.spec_drafts``)."""
+    s, g, k = state.max_slots, batch.group_slots.shape[0], num_speculative_tokens
     k1 = k + 1
     page_tables = state.page_tables.at[batch.write_slots, batch.write_index].set(
         batch.write_pages, mode="drop"
@@ -101,11 +119,12 @@ def spec_step(
     gs = batch.group_slots
     gs_c = jnp.clip(gs, 0, s - 1)  # [G]
     live = (gs < s) & state.decode_mask[gs_c]  # [G]
-    num_drafts = jnp.where(live, jnp.clip(batch.num_drafts, 0, k), 0)  # [G]
+    drafts, num_drafts = host_drafts(state, batch, gs_c, k, use_cont=draft_cfg is None)
+    num_drafts = jnp.where(live, num_drafts, 0)  # [G]
     j = jnp.arange(k1, dtype=jnp.int32)[None, :]  # [1, K1]
     rows_on = live[:, None] & (j <= num_drafts[:, None])  # [G, K1]
     sp = jax.tree.map(lambda a: a[gs_c], state.sampling)
-    drafts, draft_probs, draft_cache = batch.draft_tokens, None, state.draft_cache
+    draft_probs, draft_cache = None, state.draft_cache
     if draft_cfg is not None:
         draft_cache, drafts, draft_probs = spec_drafts(
             params, draft_cfg, state, gs_c, live, num_drafts, page_tables, sp, num_tokens=k,
@@ -156,7 +175,31 @@ def spec_step(
         top=jax.tree.map(per_slot, top),
         prompt_top=TopLogprobs.zeros(0),
     )
-    return new_state, out, SpecOutput(emitted, logprobs, count)
+    return new_state, out, SpecOutput(emitted, logprobs, count, num_drafts)
+
+
+def host_drafts(
+    state: EngineState, batch: SpecBatch, gs_c: Int32[Array, " groups"], k: int, use_cont: bool
+) -> tuple[Int32[Array, "groups k"], Int32[Array, " groups"]]:
+    """Each group's proposals and how many to verify (module doc, 2): from the host's
+    continuation (``use_cont``; none where the slot's last token is not the one the host
+    guessed for that position), or all K (a draft model proposes them), at most
+    ``max_drafts`` and never past the request's token budget or the pool's length."""
+    seq_lens = state.seq_lens[gs_c]  # [G]
+    cap = jnp.clip(batch.max_drafts, 0, k)
+    budget = state.max_tokens[gs_c] - state.num_generated[gs_c] - 1  # [G]
+    room = state.page_tables.shape[1] * state.cache.page_size - seq_lens - 1  # [G]
+    cap = jnp.minimum(cap, jnp.minimum(budget, room))
+    if not use_cont:
+        return jnp.zeros((gs_c.shape[0], k), jnp.int32), jnp.maximum(cap, 0)
+    c = batch.cont.shape[1]
+    o = seq_lens - batch.anchor  # [G] index in cont of the slot's last token
+    at = lambda idx: jnp.take_along_axis(batch.cont, jnp.clip(idx, 0, c - 1), axis=1)
+    guessed = at(o[:, None])[:, 0] == state.tokens[gs_c]  # [G]
+    ok = (o >= 0) & (o < batch.cont_len) & guessed
+    drafts = at(o[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :])  # [G, K]
+    avail = batch.cont_len - 1 - o
+    return drafts, jnp.where(ok, jnp.clip(jnp.minimum(cap, avail), 0, k), 0)
 
 
 def engine_spec_step(
@@ -174,16 +217,19 @@ def engine_spec_step(
 
 
 def pack_spec(out: StepOutput, spec: SpecOutput) -> Int32[Array, " n"]:
-    """The speculative extras (tokens, logprob bits, counts), then ``out.packed()``."""
+    """The speculative extras (tokens, logprob bits, counts, proposals verified), then
+    ``out.packed()``."""
     bits = jax.lax.bitcast_convert_type(spec.logprobs.astype(jnp.float32), jnp.int32)
-    return jnp.concatenate([spec.tokens.ravel(), bits.ravel(), spec.count, out.packed()])
+    extras = [spec.tokens.ravel(), bits.ravel(), spec.count, spec.num_drafts]
+    return jnp.concatenate([*extras, out.packed()])
 
 
 def unpack_spec(packed: np.ndarray, groups: int, k1: int):
-    """Host side of :func:`pack_spec`: ((tokens [G, K1], logprobs [G, K1], counts [G]), the
-    ordinary packed result)."""
+    """Host side of :func:`pack_spec`: ((tokens [G, K1], logprobs [G, K1], counts [G],
+    proposals verified [G]), the ordinary packed result)."""
     n = groups * k1
     tokens = packed[:n].reshape(groups, k1)
     logprobs = packed[n : 2 * n].view(np.float32).reshape(groups, k1)
     counts = packed[2 * n : 2 * n + groups]
-    return (tokens, logprobs, counts), packed[2 * n + groups :]
+    num_drafts = packed[2 * n + groups : 2 * n + 2 * groups]
+    return (tokens, logprobs, counts, num_drafts), packed[2 * n + 2 * groups :]

@@ -5,14 +5,23 @@ how a speculative step's results become each request's tokens.
    prefilling, no waiting request could take a free slot — and at most
    ``speculative_max_batch`` requests decode (above that, verifying K + 1 rows per request
    costs more than it saves), and some running request speculates (``Request.speculates``).
-2. Such a step is **synchronous**: the engine first processes every step in flight, so each
-   request's stream is known up to its last token (the proposer needs it, and the scheduler
-   must know how far each request really got before giving it pages). Then
-   ``Scheduler.schedule(propose)`` plans it, and its result is processed at once — the cost
-   is the host/device overlap of one step (measured in ``docs/benchmarks.md``).
+2. Speculative steps overlap like ordinary ones: step N + 1 is planned and dispatched while
+   step N runs, before the host knows how many of step N's proposals were accepted. So
+   - pages are granted for the worst case (``Request.spec_pending``: the proposals a step in
+     flight may still accept; ``Scheduler._proposal``), and a step is planned this way only
+     when pages for every request's worst case are free (``overlaps``) — otherwise, and before
+     any step that is not speculative, the step in flight is processed first, so planning
+     never preempts on a guess;
+   - the n-gram proposer continues the stream the host has read for as many tokens as the step
+     in flight may emit plus K (``propose``), as if every proposal in flight were accepted; the
+     device takes the proposals after the slot's real last token if that token is the one
+     guessed for its position, and none otherwise (``spec_step.host_drafts``). A draft model
+     proposes on the device from the real last token: it needs no guess;
+   - the device clips every group to its request's token budget and the pool it knows; a
+     wrong guess costs acceptance, never correctness.
 3. ``emitted``: per request, the tokens a step gave it — one for ordinary steps, the accepted
    proposals plus one for speculative steps, after which ``Scheduler.accept`` advances the
-   request's counters and returns its pages past the new length.
+   request's counters and returns its pages past what the device may still write.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from __future__ import annotations
 from jbatch.engine import ngram_proposer
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.request import Request
-from jbatch.engine.scheduler import Scheduler, SchedulerOutput
+from jbatch.engine.scheduler import Proposal, Scheduler, SchedulerOutput
 
 
 class Speculator:
@@ -43,16 +52,28 @@ class Speculator:
             speculating = speculating or seq.speculates
         return speculating and 0 < decoding <= self.cfg.speculative_max_batch
 
-    def propose(self, seq: Request, k: int) -> list[int]:
-        """Up to ``k`` proposals for ``seq`` (none for a request that does not speculate)."""
+    @staticmethod
+    def overlaps(scheduler: Scheduler) -> bool:
+        """Whether the next speculative step may be planned while one runs (module doc, 2):
+        pages are free for every request's worst case, so planning needs no preemption."""
+        return scheduler.spec_pages_needed() <= scheduler.allocator.num_free
+
+    def propose(self, seq: Request, cap: int) -> Proposal | None:
+        """``seq``'s proposal of up to ``cap`` tokens (None for a request that does not
+        speculate, or when the n-gram proposer finds no match)."""
         if not seq.speculates:
-            return []
-        if self.cfg.speculative == "draft":  # placeholders: the draft proposes on the device
-            return [0] * k
+            return None
+        if self.cfg.speculative == "draft":  # the draft model proposes on the device
+            return Proposal(cap)
         if seq.token_stream is None:
             seq.token_stream = ngram_proposer.TokenStream(seq.prompt_ids)
         stream = seq.token_stream.sync(seq.output_ids, len(seq.prompt_ids))
-        return ngram_proposer.propose(stream, k, self.cfg.ngram_min, self.cfg.ngram_max)
+        # The device may be this many tokens past the stream the host has read (module doc, 2).
+        ahead = seq.num_computed + seq.spec_pending - (len(stream) - 1)
+        cont = ngram_proposer.propose(stream, ahead + cap, self.cfg.ngram_min, self.cfg.ngram_max)
+        if len(cont) <= ahead:
+            return None
+        return Proposal(cap, len(stream) - 1, (int(stream[-1]), *cont))
 
 
 def emitted(
@@ -62,17 +83,17 @@ def emitted(
     tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
     if sched.drafts is None:
         return [(seq, [(tokens[slot], logprobs[slot])]) for seq, slot in sched.samplers]
-    spec_tokens, spec_logprobs, counts = result.spec
+    spec_tokens, spec_logprobs, counts, verified = result.spec
     out = []
     counters["spec_steps"] += 1
-    for g, (seq, drafts) in enumerate(zip(sched.decodes, sched.drafts)):
-        n = int(counts[g])
-        if drafts:
-            counters["spec_proposed_tokens"] += len(drafts)
+    for g, (seq, proposal) in enumerate(zip(sched.decodes, sched.drafts)):
+        n, k = int(counts[g]), int(verified[g])
+        if k:
+            counters["spec_proposed_tokens"] += k
             counters["spec_accepted_tokens"] += n - 1
             counters["spec_groups"] += 1
         if not seq.finished:
-            scheduler.accept(seq, n - 1)
+            scheduler.accept(seq, n - 1, 0 if proposal is None else proposal.cap)
         pairs = zip(spec_tokens[g, :n].tolist(), spec_logprobs[g, :n].tolist())
         out.append((seq, list(pairs)))
     return out
