@@ -23,10 +23,10 @@ them its output degrades into noise no proposer predicts).
 
 Three engines in one process — the same model and sizes, ``speculative=None``,
 ``speculative="ngram"`` and ``speculative_model=DRAFT`` — run each (workload, batch) in turn
-(the order rotating) for ``--reps`` repetitions; medians of the ratios to plain are
-reported (the machine is shared: ratios, not absolute times). A batch of B is B requests
-submitted together (batch 1: ``--solo`` requests one after another). Writes a JSON record
-and a PNG plot next to it.
+(the order rotating; at batch 1 per request) for ``--reps`` repetitions; medians of the
+ratios to plain are reported (the machine is shared: ratios, not absolute times). A batch of
+B is B requests submitted together (batch 1: ``--solo`` requests one after another). Writes
+a JSON record and a PNG plot next to it.
 """
 
 from __future__ import annotations
@@ -83,14 +83,24 @@ def copy_fraction(prompts: list[list[int]], outputs: list[list[int]]) -> float:
     return hits / max(total, 1)
 
 
-def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, solo: bool) -> dict:
-    before = llm.engine.stats()
-    t0 = time.perf_counter()
-    if solo:
-        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
-    else:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+def run_all(engines: dict, batches: list[list[list[int]]], params: SamplingParams, rep: int):
+    """One repetition on every engine: ``{name: result}``. Each batch of prompts runs on every
+    engine in turn, the order rotating, so at batch 1 (one prompt per batch) a slow moment of
+    the shared machine hits all engines alike."""
+    names = list(engines)
+    order = lambda i: names[i % len(names) :] + names[: i % len(names)]
+    before = {name: llm.engine.stats() for name, llm in engines.items()}
+    wall = dict.fromkeys(names, 0.0)
+    outs = {name: [] for name in names}
+    for i, batch in enumerate(batches):
+        for name in order(rep + i):
+            t0 = time.perf_counter()
+            outs[name] += engines[name].generate(batch, params, use_tqdm=False)
+            wall[name] += time.perf_counter() - t0
+    return {name: _result(engines[name], before[name], outs[name], wall[name]) for name in names}
+
+
+def _result(llm: LLM, before, outs, wall: float) -> dict:
     after = llm.engine.stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = after.steps - before.steps
@@ -116,17 +126,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--draft", help="draft checkpoint (default: the demo model's; 'none': skip)")
+    ap.add_argument(
+        "--methods", nargs="+", default=["ngram", "draft"], help="engines beside plain decoding"
+    )
     ap.add_argument("--out", default="docs/bench_speculative.json")
     args = ap.parse_args()
     model = args.model or str(demo_model_path())
-    sizes = dict(max_slots=max(args.batches), num_pages=2048, max_seq_len=1024)
+    sizes = dict(max_slots=max(*args.batches, 4), num_pages=2048, max_seq_len=1024)
     spec = dict(num_speculative_tokens=args.k)
-    engines = {
-        "plain": LLM(model, **sizes),
-        "ngram": LLM(model, **sizes, speculative="ngram", **spec),
-    }
+    engines = {"plain": LLM(model, **sizes)}
+    if "ngram" in args.methods:
+        engines["ngram"] = LLM(model, **sizes, speculative="ngram", **spec)
     draft = args.draft or (None if args.model else str(demo_draft_path()))
-    if draft and draft != "none":
+    if draft and draft != "none" and "draft" in args.methods:
         engines["draft"] = LLM(model, **sizes, speculative_model=draft, **spec)
     tokenizer = engines["plain"].engine.tokenizer
 
@@ -142,9 +154,11 @@ def main() -> None:
             prompts = prompts_for(tokenizer, workload, args.solo if batch == 1 else batch, answer)
             reps = {name: [] for name in engines}
             names = list(engines)
+            batches = [[p] for p in prompts] if batch == 1 else [prompts]
             for rep in range(args.reps):
-                for name in names[rep % len(names) :] + names[: rep % len(names)]:
-                    reps[name].append(run(engines[name], prompts, params, solo=batch == 1))
+                results = run_all(engines, batches, params, rep)
+                for name in names:
+                    reps[name].append(results[name])
             same = all(r["ids"] == reps["plain"][0]["ids"] for rs in reps.values() for r in rs)
             copied = round(copy_fraction(prompts, reps["plain"][0]["ids"]), 3)
             row = {"workload": workload, "batch": batch, "identical_outputs": same}

@@ -36,10 +36,11 @@ def build_spec_input(cfg: EngineConfig, core, sched: SchedulerOutput) -> StepInp
     for g, (seq, proposal) in enumerate(zip(sched.decodes, sched.drafts)):
         batch.group_slots[g] = seq.slot
         if proposal is not None:
-            n = min(len(proposal.tokens), batch.cont.shape[1])
+            n = min(len(proposal.tokens), batch.window.shape[1])  # the latest tokens
             batch.max_drafts[g], batch.anchor[g] = proposal.cap, proposal.anchor
-            batch.cont_len[g] = n
-            batch.cont[g, :n] = proposal.tokens[:n]
+            batch.window_len[g] = n
+            if n:
+                batch.window[g, :n] = proposal.tokens[len(proposal.tokens) - n :]
         if seq.params.logprobs is not None:
             batch.want_top_logprobs[seq.slot] = True
     _fill_page_writes(batch, sched)

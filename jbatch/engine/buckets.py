@@ -120,11 +120,16 @@ def max_spec_page_writes(cfg: EngineConfig) -> int:
     return cfg.speculative_max_batch * (-(-rows // cfg.page_size) + 1)
 
 
-def spec_continuation(cfg: EngineConfig) -> int:
-    """Length of a speculative group's host continuation (``spec_step.SpecBatch.cont``): the
-    last token the host has read, up to K + 1 tokens the step in flight may emit, K
-    proposals after them."""
-    return 2 * cfg.num_speculative_tokens + 2
+def ngram_window(cfg: EngineConfig) -> int:
+    """Stream tokens a speculative step's n-gram lookup searches (``spec_step.SpecBatch``):
+    the whole context up to ``NGRAM_WINDOW`` tokens, the latest ones beyond (1 when the
+    engine proposes no n-grams)."""
+    if cfg.speculative != "ngram":
+        return 1
+    return min(cfg.max_seq_len, NGRAM_WINDOW)
+
+
+NGRAM_WINDOW = 4096
 
 
 def pick_spec_bucket(cfg: EngineConfig, groups: int) -> int:

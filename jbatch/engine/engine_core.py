@@ -111,10 +111,14 @@ class EngineCore:
     def _jit_single(self, step_kwargs: dict) -> None:
         jit = lambda layout: jax.jit(self._packed_step(layout, **step_kwargs), donate_argnums=1)
         self._steps = {key: jit(layout) for key, layout in self.layouts.items()}
-        k = self.cfg.num_speculative_tokens
+        cfg = self.cfg
+        spec_kwargs = dict(
+            step_kwargs,
+            num_speculative_tokens=cfg.num_speculative_tokens,
+            ngram=(cfg.ngram_min, cfg.ngram_max),
+        )
         spec = lambda layout: jax.jit(
-            self._packed_spec_step(layout, num_speculative_tokens=k, **step_kwargs),
-            donate_argnums=1,
+            self._packed_spec_step(layout, **spec_kwargs), donate_argnums=1
         )
         self._steps.update({key: spec(layout) for key, layout in self.spec_layouts.items()})
         if self.cfg.structured_overlap:

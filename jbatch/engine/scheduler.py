@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Sequence as Seq
 
 from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
@@ -51,10 +52,10 @@ class Proposal:
     """What a speculative step may verify for one request (``spec_step.SpecBatch``)."""
 
     cap: int  # proposals the step may verify: their pages are granted
-    anchor: int = 0  # stream index of tokens[0]
-    # The last stream token the host has read, then the continuation it expects (n-gram);
-    # empty: the device's draft model proposes.
-    tokens: tuple[int, ...] = ()
+    anchor: int = 0  # stream index of the last token of ``tokens``
+    # n-gram lookup: the stream as far as the host has read it (the device completes it and
+    # looks up the proposals); empty: the device's draft model proposes.
+    tokens: Seq[int] = ()
 
 
 @dataclasses.dataclass

@@ -7,19 +7,21 @@ bucket of ``buckets.spec_buckets``):
 1. apply page-table writes (the host gave each group pages for all its rows);
 2. group ``g`` is slot ``group_slots[g]``: row 0 feeds its last token at position
    ``seq_lens[slot]``, rows ``1..num_drafts[g]`` the proposals at the next positions, the rest
-   is padding (position -1). The proposals come from a draft model run here, or from the
-   host's guessed continuation ``cont``: the step was planned while the previous one ran, so
-   the slot's last token is ``cont[seq_lens - anchor]`` if the host guessed right, and then
-   the proposals are the ``cont`` tokens after it (a wrong guess: no proposals). Either way
-   at most ``max_drafts`` (the rows the host gave pages for), the token budget and the pool
-   allow (``host_drafts``). The model writes every row's K/V through the page table and each
+   is padding (position -1). The proposals come from a draft model run here, or from n-gram
+   lookup run here (``ngram_device``) over the stream the host has read — sent as a window
+   ending at ``anchor`` — completed with what the host cannot know yet, since the step was
+   planned while the previous one ran: that step's accepted proposals (kept in
+   ``spec_drafts``) and the slot's last token. Either way at most ``max_drafts`` (the rows
+   the host gave pages for), and no more than the token budget and the pool allow
+   (``lookup_drafts``). The model writes every row's K/V through the page table and each
    row attends to the slot's pages up to its own position (``llama.forward``'s decode rows);
 3. the LM head runs on every row; ``spec_verify.verify`` accepts a prefix of the proposals
    and draws the token after it (row 0 gets penalties and the token bitmask first: a slot with
    either has no proposals);
 4. each slot advances by its emitted count: ``seq_lens`` (the last token and the accepted
    proposals now have valid K/V; the rejected rows' K/V is overwritten later), ``tokens``
-   (the last emitted), ``num_generated`` and the output counts.
+   (the last emitted), ``num_generated``, the output counts, and ``spec_drafts`` (this step's
+   proposals, for the next step's stream).
 
 A slot with no proposals (``num_drafts`` 0) decodes exactly as in an ordinary step. The result is
 packed ahead of an ordinary :class:`core.StepOutput` (row 0 of each slot: its first emitted
@@ -34,7 +36,7 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int32
 
-from jbatch.engine import buckets
+from jbatch.engine import buckets, ngram_device
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import StepOutput, insert, release
 from jbatch.engine.draft_proposer import spec_drafts
@@ -48,19 +50,15 @@ from jbatch.models.llama import compute_logits, forward
 
 @struct.dataclass
 class SpecBatch:
-    """Host inputs of a speculative step (padding groups: slot ``max_slots``).
-
-    The host plans a step while the previous one runs, so it does not know where each slot's
-    stream ends: it sends a guessed continuation ``cont`` of the stream as it knows it —
-    ``cont[0]`` is the stream's token at index ``anchor`` (the last one the host has read),
-    then what the proposer expects to follow — and the device picks the proposals that follow
-    the slot's real last token (module doc, 2)."""
+    """Host inputs of a speculative step (padding groups: slot ``max_slots``). For n-gram
+    proposals, the stream as far as the host has read it: its last ``window_len`` tokens,
+    ending at stream index ``anchor`` (the device completes it: ``ngram_device``)."""
 
     group_slots: Int32[Array, " groups"]
     max_drafts: Int32[Array, " groups"]  # proposals the host gave pages for (0..K)
-    anchor: Int32[Array, " groups"]  # stream index of cont[0]
-    cont_len: Int32[Array, " groups"]  # valid tokens of cont (0: no host proposals)
-    cont: Int32[Array, "groups c"]  # c = buckets.spec_continuation(cfg)
+    anchor: Int32[Array, " groups"]
+    window_len: Int32[Array, " groups"]
+    window: Int32[Array, "groups w"]  # w = buckets.ngram_window(cfg)
     write_slots: Int32[Array, " writes"]
     write_index: Int32[Array, " writes"]
     write_pages: Int32[Array, " writes"]
@@ -77,8 +75,8 @@ class SpecBatch:
             group_slots=np.full(groups, s, np.int32),
             max_drafts=zeros(),
             anchor=zeros(),
-            cont_len=zeros(),
-            cont=np.zeros((groups, buckets.spec_continuation(cfg)), np.int32),
+            window_len=zeros(),
+            window=np.zeros((groups, buckets.ngram_window(cfg)), np.int32),
             write_slots=np.full(w, s, np.int32),
             write_index=np.zeros(w, np.int32),
             write_pages=np.zeros(w, np.int32),
@@ -106,11 +104,12 @@ def spec_step(
     model_cfg: ModelConfig,
     block_q: int,
     num_speculative_tokens: int,
+    ngram: tuple[int, int] = (1, 1),
     attn_impl: str = "auto",
     draft_cfg: ModelConfig | None = None,
 ) -> tuple[EngineState, StepOutput, SpecOutput]:
     """One speculative step (module doc); ``draft_cfg``: a draft model proposes on the device
-    instead of the host's continuations (``draft_proposer.spec_drafts``)."""
+    instead of n-gram lookup (``draft_proposer.spec_drafts``); ``ngram``: (min, max) n."""
     s, g, k = state.max_slots, batch.group_slots.shape[0], num_speculative_tokens
     k1 = k + 1
     page_tables = state.page_tables.at[batch.write_slots, batch.write_index].set(
@@ -119,7 +118,7 @@ def spec_step(
     gs = batch.group_slots
     gs_c = jnp.clip(gs, 0, s - 1)  # [G]
     live = (gs < s) & state.decode_mask[gs_c]  # [G]
-    drafts, num_drafts = host_drafts(state, batch, gs_c, k, use_cont=draft_cfg is None)
+    drafts, num_drafts = lookup_drafts(state, batch, gs_c, k, None if draft_cfg else ngram)
     num_drafts = jnp.where(live, num_drafts, 0)  # [G]
     j = jnp.arange(k1, dtype=jnp.int32)[None, :]  # [1, K1]
     rows_on = live[:, None] & (j <= num_drafts[:, None])  # [G, K1]
@@ -164,6 +163,9 @@ def spec_step(
         seq_lens=state.seq_lens + advance,
         num_generated=state.num_generated + advance,
         output_counts=counts,
+        spec_drafts=None
+        if state.spec_drafts is None
+        else state.spec_drafts.at[target].set(drafts, mode="drop"),
     )
     per_slot = lambda a: jnp.zeros((s, *a.shape[1:]), a.dtype).at[target].set(a, mode="drop")
     want = batch.want_top_logprobs[gs_c] & live
@@ -178,28 +180,30 @@ def spec_step(
     return new_state, out, SpecOutput(emitted, logprobs, count, num_drafts)
 
 
-def host_drafts(
-    state: EngineState, batch: SpecBatch, gs_c: Int32[Array, " groups"], k: int, use_cont: bool
+def lookup_drafts(
+    state: EngineState,
+    batch: SpecBatch,
+    gs_c: Int32[Array, " groups"],
+    k: int,
+    ngram: tuple[int, int] | None,
 ) -> tuple[Int32[Array, "groups k"], Int32[Array, " groups"]]:
-    """Each group's proposals and how many to verify (module doc, 2): from the host's
-    continuation (``use_cont``; none where the slot's last token is not the one the host
-    guessed for that position), or all K (a draft model proposes them), at most
-    ``max_drafts`` and never past the request's token budget or the pool's length."""
+    """Each group's proposals and how many to verify (module doc, 2): n-gram lookup over the
+    group's stream (``ngram``: (min, max) n; ``ngram_device``), or all K (None: a draft model
+    proposes them), at most ``max_drafts`` and never past the request's token budget or the
+    pool's length."""
     seq_lens = state.seq_lens[gs_c]  # [G]
     cap = jnp.clip(batch.max_drafts, 0, k)
     budget = state.max_tokens[gs_c] - state.num_generated[gs_c] - 1  # [G]
     room = state.page_tables.shape[1] * state.cache.page_size - seq_lens - 1  # [G]
-    cap = jnp.minimum(cap, jnp.minimum(budget, room))
-    if not use_cont:
-        return jnp.zeros((gs_c.shape[0], k), jnp.int32), jnp.maximum(cap, 0)
-    c = batch.cont.shape[1]
-    o = seq_lens - batch.anchor  # [G] index in cont of the slot's last token
-    at = lambda idx: jnp.take_along_axis(batch.cont, jnp.clip(idx, 0, c - 1), axis=1)
-    guessed = at(o[:, None])[:, 0] == state.tokens[gs_c]  # [G]
-    ok = (o >= 0) & (o < batch.cont_len) & guessed
-    drafts = at(o[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :])  # [G, K]
-    avail = batch.cont_len - 1 - o
-    return drafts, jnp.where(ok, jnp.clip(jnp.minimum(cap, avail), 0, k), 0)
+    cap = jnp.maximum(jnp.minimum(cap, jnp.minimum(budget, room)), 0)
+    if ngram is None:
+        return jnp.zeros((gs_c.shape[0], k), jnp.int32), cap
+    # Tokens past the host's anchor: the in-flight step's accepted proposals, then the last.
+    accepted = seq_lens - batch.anchor - 1
+    stream, length = ngram_device.assemble(
+        batch.window, batch.window_len, state.spec_drafts[gs_c], accepted, state.tokens[gs_c]
+    )
+    return ngram_device.propose(stream, length, cap, k, *ngram)
 
 
 def engine_spec_step(

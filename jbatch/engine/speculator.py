@@ -68,12 +68,8 @@ class Speculator:
         if seq.token_stream is None:
             seq.token_stream = ngram_proposer.TokenStream(seq.prompt_ids)
         stream = seq.token_stream.sync(seq.output_ids, len(seq.prompt_ids))
-        # The device may be this many tokens past the stream the host has read (module doc, 2).
-        ahead = seq.num_computed + seq.spec_pending - (len(stream) - 1)
-        cont = ngram_proposer.propose(stream, ahead + cap, self.cfg.ngram_min, self.cfg.ngram_max)
-        if len(cont) <= ahead:
-            return None
-        return Proposal(cap, len(stream) - 1, (int(stream[-1]), *cont))
+        # The device looks the n-grams up in this stream, completed (engine/ngram_device.py).
+        return Proposal(cap, len(stream) - 1, stream)
 
 
 def emitted(

@@ -35,6 +35,9 @@ class EngineState:
     # Speculative decoding with a draft model: its own pool beside ``cache`` (same pages and
     # page tables, the draft's shape; ``engine/draft_proposer.py``). None without a draft.
     draft_cache: KVCache | None = None
+    # N-gram speculative decoding: each slot's proposals of its last speculative step (the
+    # next step's lookup completes its stream with the accepted ones; ``ngram_device``).
+    spec_drafts: Int32[Array, "slots k"] | None = None
 
     @property
     def max_slots(self) -> int:
@@ -69,6 +72,11 @@ def init_state(
     return EngineState(
         cache=pool(model_cfg),
         draft_cache=None if draft_cfg is None else pool(draft_cfg),
+        spec_drafts=(
+            jnp.zeros((s, cfg.num_speculative_tokens), jnp.int32)
+            if cfg.speculative == "ngram"
+            else None
+        ),
         page_tables=jnp.full((s, cfg.max_pages_per_seq), cfg.num_pages, jnp.int32),
         tokens=zeros(),
         seq_lens=zeros(),
