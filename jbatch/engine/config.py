@@ -70,7 +70,7 @@ class EngineConfig:
         the two are tied).
     speculative: speculative decoding (``engine/spec_step.py``): None (off) or "ngram" (prompt
         lookup: propose the tokens that followed the latest earlier occurrence of the
-        context's last ``ngram_max``..``ngram_min`` tokens; ``engine/ngram_proposer.py``).
+        context's last ``ngram_max``..``ngram_min`` tokens; ``engine/ngram_device.py``).
         Verification is exact: greedy output is unchanged, sampled output keeps its
         distribution. One device (tp = dp = 1). "draft": a small draft model
         (``speculative_model``) proposes on the device (``engine/draft_proposer.py``).

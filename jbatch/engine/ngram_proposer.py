@@ -1,4 +1,5 @@
-"""N-gram (prompt lookup) proposals for speculative decoding: host-side numpy.
+"""N-gram (prompt lookup) proposals for speculative decoding: the rule, in host numpy, and the
+host's copy of each request's stream.
 
 For a request whose stream (prompt + outputs) ends in tokens ``t[-n:]``, find the latest
 earlier place where the same ``n`` tokens occur (the latest with ``k`` tokens after it, if
@@ -6,9 +7,11 @@ any) and propose the (up to) ``k`` tokens that followed them there, trying ``n =
 down to ``ngram_min``. Outputs that copy spans of their prompt (edits, code refactors,
 quoting, extraction) are proposed correctly, run after run.
 
-Cost: one vectorized comparison of the stream against its tail per tried ``n`` — O(context)
-per request and step, with the stream kept in a growing numpy buffer (amortised O(1) per new
-token) rather than rebuilt from lists.
+The engine looks proposals up on the device (``ngram_device.py``, which must equal
+:func:`propose`: tested), from the stream the host sends — a :class:`TokenStream`, kept in a
+growing numpy buffer (amortised O(1) per new token) rather than rebuilt from lists.
+:func:`propose` costs one vectorized comparison of the stream against its tail per tried
+``n``: O(context).
 """
 
 from __future__ import annotations

@@ -12,13 +12,12 @@ how a speculative step's results become each request's tokens.
      when pages for every request's worst case are free (``overlaps``) — otherwise, and before
      any step that is not speculative, the step in flight is processed first, so planning
      never preempts on a guess;
-   - the n-gram proposer continues the stream the host has read for as many tokens as the step
-     in flight may emit plus K (``propose``), as if every proposal in flight were accepted; the
-     device takes the proposals after the slot's real last token if that token is the one
-     guessed for its position, and none otherwise (``spec_step.host_drafts``). A draft model
-     proposes on the device from the real last token: it needs no guess;
-   - the device clips every group to its request's token budget and the pool it knows; a
-     wrong guess costs acceptance, never correctness.
+   - n-gram proposals are looked up on the device (``ngram_device``): the host sends the
+     stream as far as it has read it, and the device completes it with what the step in
+     flight accepted and the slot's real last token — so even the step after a rejection
+     proposes. A draft model proposes on the device from the real last token too;
+   - the device clips every group to its request's token budget and the pool it knows (the
+     host's counters are lower bounds while a step runs).
 3. ``emitted``: per request, the tokens a step gave it — one for ordinary steps, the accepted
    proposals plus one for speculative steps, after which ``Scheduler.accept`` advances the
    request's counters and returns its pages past what the device may still write.
