@@ -241,7 +241,8 @@ class Scheduler:
                 continue
             drafts = self._proposal(seq, propose, out) if propose is not None else None
             # (A step in flight may have accepted up to spec_pending more tokens.)
-            while not self._grow(seq, seq.num_computed + seq.spec_pending + 1, out):
+            upto = min(seq.num_computed + seq.spec_pending + 1, self.cfg.max_seq_len)
+            while not self._grow(seq, upto, out):
                 victim = self._victim()
                 self._preempt(victim, out)
                 if victim is seq:
@@ -408,6 +409,7 @@ class Scheduler:
         self.allocator.check([s.pages for s in self.running.values()])
         for seq in self.running.values():
             assert len(set(seq.pages)) == len(seq.pages), "a page twice in one page table"
+            assert len(seq.pages) <= self.cfg.max_pages_per_seq, "pages past the page table"
             for i, page in enumerate(seq.pages):
                 if self.allocator.refcount(page) > 1:
                     assert (i + 1) * self.cfg.page_size <= seq.num_computed, "shared partial page"
