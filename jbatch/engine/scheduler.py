@@ -160,7 +160,7 @@ class Scheduler:
     # ---- pages ---------------------------------------------------------------------------------
     def _grow(self, seq: Request, upto: int, out: SchedulerOutput) -> bool:
         """Give ``seq`` pages covering positions < ``upto``; all or nothing."""
-        need = -(-upto // self.cfg.page_size) - len(seq.pages)
+        need = self._pages_short(seq, upto)
         if need <= 0:
             return True
         if need > self.allocator.num_free:
@@ -169,6 +169,15 @@ class Scheduler:
             out.page_writes.append((seq.slot, len(seq.pages), page))
             seq.pages.append(page)
         return True
+
+    def _pages_short(self, seq: Request, upto: int) -> int:
+        """Pages ``seq`` lacks to cover positions < ``upto`` (<= 0: none)."""
+        return -(-upto // self.cfg.page_size) - len(seq.pages)
+
+    def _reach(self, seq: Request, extra: int) -> int:
+        """Positions a decode of ``seq`` with ``extra`` proposals may write below, if a step
+        in flight accepted all its ``spec_pending`` proposals (at most ``max_seq_len``)."""
+        return min(seq.num_computed + seq.spec_pending + 1 + extra, self.cfg.max_seq_len)
 
     def _victim_key(self, seq: Request) -> tuple:
         return self.victim_order.key(seq)
@@ -240,9 +249,7 @@ class Scheduler:
             if seq.status is not RequestStatus.RUNNING or not seq.can_decode:
                 continue
             drafts = self._proposal(seq, propose, out) if propose is not None else None
-            # (A step in flight may have accepted up to spec_pending more tokens.)
-            upto = min(seq.num_computed + seq.spec_pending + 1, self.cfg.max_seq_len)
-            while not self._grow(seq, upto, out):
+            while not self._grow(seq, self._reach(seq, 0), out):
                 victim = self._victim()
                 self._preempt(victim, out)
                 if victim is seq:
@@ -280,10 +287,9 @@ class Scheduler:
         proposal = propose(seq, cap) if cap > 0 else None
         if proposal is None:
             return None
-        upto = min(seq.num_computed + seq.spec_pending + 1 + cap, self.cfg.max_seq_len)
-        need = -(-upto // self.cfg.page_size) - len(seq.pages)
+        upto = self._reach(seq, cap)
         # Keep a page in reserve per running request, so the others' next tokens still fit.
-        if need > self.allocator.num_free - len(self.running):
+        if self._pages_short(seq, upto) > self.allocator.num_free - len(self.running):
             return None
         self._grow(seq, upto, out)
         seq.spec_pending += cap
@@ -292,11 +298,8 @@ class Scheduler:
     def spec_pages_needed(self) -> int:
         """Pages a speculative step would take at most if every request got K proposals
         (the engine plans one while another runs only when they are free: no preemption)."""
-        ps, k = self.cfg.page_size, self.cfg.num_speculative_tokens
-        need = 0
-        for seq in self.running.values():
-            upto = min(seq.num_computed + seq.spec_pending + 1 + k, self.cfg.max_seq_len)
-            need += max(0, -(-upto // ps) - len(seq.pages))
+        k = self.cfg.num_speculative_tokens
+        need = sum(max(0, self._pages_short(s, self._reach(s, k))) for s in self.running.values())
         return need + len(self.running)  # the reserve of ``_proposal``
 
     def accept(self, seq: Request, extra: int, settled: int) -> None:

@@ -59,7 +59,8 @@ class Speculator:
 
     def propose(self, seq: Request, cap: int) -> Proposal | None:
         """``seq``'s proposal of up to ``cap`` tokens (None for a request that does not
-        speculate, or when the n-gram proposer finds no match)."""
+        speculate). The tokens themselves are found on the device: the draft model's, or an
+        n-gram lookup in the stream sent here."""
         if not seq.speculates:
             return None
         if self.cfg.speculative == "draft":  # the draft model proposes on the device
