@@ -183,7 +183,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     srv.add_argument(
         "--compilation-cache", default=None, metavar="DIR|off", help="persistent XLA "
-        "compilation cache (default: $JBATCH_COMPILATION_CACHE, else ~/.cache/jbatch/xla)"
+        "compilation cache and executable store (default: $JBATCH_COMPILATION_CACHE, else "
+        "~/.cache/jbatch/xla)"
     )  # fmt: skip
     srv.add_argument(
         "--decode-peers", default=None, metavar="HOST:PORT,...", help="with --role prefill: "

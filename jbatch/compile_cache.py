@@ -2,7 +2,9 @@
 
 A 30-layer model compiles one step program per bucket pair at warm-up; the cache stores each
 compiled executable on disk, keyed by the program and the compiler, so a restarted engine loads
-them instead of compiling (docs/benchmarks.md, "Engine warm-up").
+them instead of compiling (docs/benchmarks.md, "Engine warm-up"). The same switch turns on the
+executable store in its ``jbatch-executables`` subdirectory
+(:mod:`jbatch.engine.executable_store`), which also skips tracing and lowering the step programs.
 
 * ``jbatch serve``: on by default, in ``$XDG_CACHE_HOME/jbatch/xla`` (``~/.cache/jbatch/xla``);
   ``--compilation-cache DIR`` moves it, ``--compilation-cache off`` disables it.

@@ -2,8 +2,10 @@
 persistent compilation cache, for a random model of SmolLM2-135M's shape (30 layers).
 
 Each measurement runs in a fresh process (nothing cached in memory): ``cold`` with the cache
-disabled, then ``fill`` (first run into an empty cache directory) and ``warm`` (second run,
-same directory). Results go to docs/bench_warmup.json.
+disabled, then ``fill`` (first run into an empty cache directory, which also fills the
+executable store, ``jbatch/engine/executable_store.py``) and ``warm`` runs in the same
+directory: once with the store off (JAX's persistent cache alone: tracing and lowering every
+program again), twice with it. Results go to docs/bench_warmup.json.
 
     PYTHONPATH=. python scripts/bench_warmup.py              # 30 layers, default settings
     PYTHONPATH=. python scripts/bench_warmup.py --layers 4   # quicker
@@ -27,16 +29,21 @@ from pathlib import Path
 SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3)
 
 
-def one_run(model: str, cache_dir: str) -> None:
-    """Child process: time LLM(model) with default settings and print JSON."""
+def one_run(model: str, cache_dir: str, store: bool) -> None:
+    """Child process: time LLM(model) with default settings and print JSON. ``store=False``
+    keeps the executable store off (the persistent compilation cache alone)."""
     os.environ["JBATCH_COMPILATION_CACHE"] = cache_dir
     t0 = time.perf_counter()
     from jbatch import LLM
+    from jbatch.engine.executable_store import ExecutableStore
 
     t_import = time.perf_counter() - t0
+    if not store:
+        ExecutableStore.from_compilation_cache = classmethod(lambda cls: None)
     llm = LLM(model)
-    programs = len(llm.engine.core.layouts) if hasattr(llm.engine, "core") else None
-    print(json.dumps(dict(seconds=time.perf_counter() - t0, import_s=t_import, programs=programs)))
+    core = llm.engine.core
+    print(json.dumps(dict(seconds=round(time.perf_counter() - t0, 2), import_s=round(t_import, 2),
+                          programs=len(core.layouts), **core.warmup_programs)))  # fmt: skip
 
 
 LLAMA3_8B = dict(
@@ -79,9 +86,10 @@ def shapes_only(dtype: str = "bfloat16") -> dict:
                 compile_s=round(t2 - t1, 1))  # fmt: skip
 
 
-def measure(model: str, cache_dir: str) -> dict:
+def measure(model: str, cache_dir: str, store: bool = True) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", model, "--cache", cache_dir],
+        [sys.executable, __file__, "--child", model, "--cache", cache_dir]
+        + ([] if store else ["--no-store"]),
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -94,9 +102,10 @@ def main() -> None:
     ap.add_argument("--cache", default="off")
     ap.add_argument("--out", default="docs/bench_warmup.json")
     ap.add_argument("--shapes-only", action="store_true")
+    ap.add_argument("--no-store", action="store_true", help="child: executable store off")
     args = ap.parse_args()
     if args.child:
-        return one_run(args.child, args.cache)
+        return one_run(args.child, args.cache, store=not args.no_store)
     if args.shapes_only:
         result = shapes_only()
         print(json.dumps(result))
@@ -109,7 +118,9 @@ def main() -> None:
         cache = str(Path(tmp) / "xla_cache")
         rows = {"cold (cache off)": measure(str(model), "off")}
         rows["cold (empty cache, filling it)"] = measure(str(model), cache)
-        rows["warm cache"] = measure(str(model), cache)
+        rows["warm cache, executable store off"] = measure(str(model), cache, store=False)
+        rows["warm cache + executable store"] = measure(str(model), cache)
+        rows["warm cache + executable store (again)"] = measure(str(model), cache)
     result = dict(layers=args.layers, shape="SmolLM2-135M (576 wide, 9/3 heads, vocab 49152)",
                   settings="LLM(model) defaults, CPU", runs=rows)  # fmt: skip
     print(json.dumps(result, indent=2))

@@ -24,9 +24,10 @@ from jaxtyping import Array, Int32
 from jbatch.engine import buckets, swap
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import engine_step, unpack_output
+from jbatch.engine.executable_store import ExecutableStore, digest, signature
 from jbatch.engine.grammar import all_allowed
 from jbatch.engine.logprobs import HostTopLogprobs
-from jbatch.engine.precompile import compile_all
+from jbatch.engine.precompile import prepare
 from jbatch.engine.spec_step import engine_spec_step, pack_spec, unpack_spec
 from jbatch.engine.split_step import SplitPrograms
 from jbatch.engine.state import EngineState, init_state
@@ -77,6 +78,11 @@ class EngineCore:
         self._spare_inputs: dict[tuple, list[StepInput]] = {}
         self._dispatched = self._fetched = 0
         self.programs_run: collections.Counter = collections.Counter()  # steps per bucket pair
+        # Step programs warm-up compiled or loaded (``precompile.prepare``), dispatched as they
+        # are; a key missing here (no warm-up) goes through its ``jit``. ``warmup_programs``:
+        # how many warm-up loaded from the executable store, compiled, and stored.
+        self._ready: dict[tuple, jax.stages.Compiled] = {}
+        self.warmup_programs = {"loaded": 0, "compiled": 0, "stored": 0}
         step_kwargs = dict(
             model_cfg=self.model_cfg, block_q=self.cfg.block_q, attn_impl=self.cfg.attn_impl
         )
@@ -210,7 +216,8 @@ class EngineCore:
         tokens each slot may sample (``grammar.GrammarCompiler.bitmask``; a fresh array per
         step), None: all."""
         key = _key_of(inp)
-        state, packed = self._steps[key](params, state, inp.ints, inp.floats, self._mask(bitmask))
+        program = self._ready.get(key) or self._steps[key]
+        state, packed = program(params, state, inp.ints, inp.floats, self._mask(bitmask))
         self.programs_run[key] += 1
         return state, self._dispatched_step(inp, packed)
 
@@ -306,13 +313,28 @@ class EngineCore:
             return jax.tree.map(put, saved, self.swapped_sharding)
         return jax.device_put(saved, self.device)
 
+    def _store_key(self, params: dict, state: EngineState, inp: StepInput) -> str:
+        """What a step program is made of (``executable_store.py``): configs, bucket, mesh and
+        the signature of its arguments."""
+        args = signature(params, state, inp.ints, inp.floats, self._allow_all)
+        configs = (self.model_cfg, self.draft_cfg, self.cfg, self.mesh)
+        return digest(*map(repr, configs), _key_of(inp), args)
+
     def warmup(self, params: dict, state: EngineState) -> EngineState:
-        """Compile every program the engine will ever run (one step per bucket pair)."""
+        """Compile every program the engine will ever run (one step per bucket pair); step
+        programs come from the executable store when it holds them."""
         spec_inputs = [self.new_spec_input(g) for _, g in self.spec_layouts]
-        compile_all(
-            [self.lower_step(params, state, *key) for key in self.layouts]
-            + [self._lower(params, state, inp) for inp in spec_inputs]
-        )
+        inputs = [self.new_input(*key) for key in self.layouts] + spec_inputs
+        # One device only: a mesh's programs (tp/dp) compile as before (not tested stored).
+        store = None if self.mesh is not None else ExecutableStore.from_compilation_cache()
+        programs = {
+            _key_of(inp): (
+                self._store_key(params, state, inp),
+                functools.partial(self._lower, params, state, inp),
+            )
+            for inp in inputs
+        }
+        self._ready, self.warmup_programs = prepare(programs, store)
         if self.cfg.swaps:
             state, saved = self.swap_out(state, 0, self.unused_pages())
             saved = self.to_device(self.to_host(saved))  # the round trip a swap makes
