@@ -12,6 +12,8 @@ Modes:
   sharding (spec, global shape, per-device shard shapes, devices).
 * ``load_rss CKPT TP [naive]``: peak host RSS while loading CKPT sharded over TP devices
   (``naive``: load whole params on the host, then ``shard_params``, for comparison).
+* ``stored CKPT DIR``: a tp=2 engine built twice over the executable store in DIR (the second
+  loads every step program).
 * ``multihost CKPT PORT PROC_ID NPROC``: one process of a multi-process run (tp over all
   processes' devices) of the same workload.
 """
@@ -239,12 +241,37 @@ def multihost(ckpt: str, port: int, proc_id: int, nproc: int) -> dict:
     }
 
 
+def stored(ckpt: str, directory: str) -> dict:
+    """The same tp=2 engine built twice with the executable store in ``directory``: what each
+    warm-up loaded, compiled and stored, each one's greedy workload, compiles after warm-up."""
+    import jax
+
+    from jbatch.engine.executable_store import ExecutableStore
+    from jbatch.models.config import ModelConfig
+    from jbatch.parallel import build_engines
+    from tests.compile_counter import count_compiles
+
+    ExecutableStore.from_compilation_cache = classmethod(lambda cls: cls(directory))
+    model_cfg = ModelConfig.from_file(os.path.join(ckpt, "config.json"))
+    runs = []
+    for _ in range(2):
+        (engine,) = build_engines(model_cfg, engine_config(tp=2), model_dir=ckpt)
+        with count_compiles() as compiled:
+            outs = run_workload(engine)
+            jax.block_until_ready(engine.state)
+        runs.append(dict(programs=engine.core.warmup_programs, outputs=outs,
+                         compiles_after_warmup=compiled))  # fmt: skip
+    return {"runs": runs}
+
+
 def main(argv: list[str]) -> None:
     mode, args = argv[0], argv[1:]
     if mode == "matrix":
         result = matrix(args[0], args[1])
     elif mode == "load_rss":
         result = load_rss(args[0], int(args[1]), args[2:] == ["naive"])
+    elif mode == "stored":
+        result = stored(args[0], args[1])
     elif mode == "multihost":
         result = multihost(args[0], int(args[1]), int(args[2]), int(args[3]))
     else:

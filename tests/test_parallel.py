@@ -86,6 +86,8 @@ def runs(hf_checkpoint, tmp_path_factory):
         for i in range(2)
     }
     procs["rss"] = _spawn(["load_rss", str(big), "8"], 8)
+    store = tmp_path_factory.mktemp("executables")
+    procs["stored"] = _spawn(["stored", ckpts["llama_tp"], str(store)], 2)
     try:
         return {key: _result(p) for key, p in procs.items()}
     finally:
@@ -107,6 +109,17 @@ def test_greedy_outputs_identical_on_every_mesh(runs, variant):
         assert r["compiles_after_warmup"] == [], f"{variant} {config} recompiled"
     for config, r in results.items():  # the tiny pool forced swaps through the sharded pool
         assert r["swap_outs"] > 0 or "dp2" in config
+
+
+def test_a_sharded_engine_loads_its_step_programs_from_the_store(runs):
+    """tp = 2: the second engine loads every step program the first stored (sharded
+    executables, placed on the same mesh) and serves the same tokens as one device."""
+    first, second = runs["stored"]["runs"]
+    n = first["programs"]["compiled"]
+    assert n > 0 and first["programs"] == {"loaded": 0, "compiled": n, "stored": n}
+    assert second["programs"] == {"loaded": n, "compiled": 0, "stored": 0}
+    assert second["outputs"] == first["outputs"] == runs["matrix/llama_tp"]["tp1_dp1"]["outputs"]
+    assert second["compiles_after_warmup"] == [] == first["compiles_after_warmup"]
 
 
 # layer param -> axis split over tp (None: replicated), the sharding rules in words

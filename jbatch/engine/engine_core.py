@@ -325,8 +325,7 @@ class EngineCore:
         programs come from the executable store when it holds them."""
         spec_inputs = [self.new_spec_input(g) for _, g in self.spec_layouts]
         inputs = [self.new_input(*key) for key in self.layouts] + spec_inputs
-        # One device only: a mesh's programs (tp/dp) compile as before (not tested stored).
-        store = None if self.mesh is not None else ExecutableStore.from_compilation_cache()
+        store = None if self._multiprocess else ExecutableStore.from_compilation_cache()
         programs = {
             _key_of(inp): (
                 self._store_key(params, state, inp),

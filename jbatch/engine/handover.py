@@ -159,7 +159,7 @@ def _matcher(engine, record: HandoverRecord):
     """A structured request's grammar matcher, advanced over the tokens sampled so far."""
     if record.params.structured is None:
         return None
-    matcher = engine._matcher(record.params)
+    matcher = engine.intake.matcher(record.params)
     for token in record.output_ids:
         grammar.advance(matcher, token)
     return matcher

@@ -31,7 +31,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import secrets
 import time
 from collections.abc import Sequence as Seq
 
@@ -53,6 +52,7 @@ from jbatch.engine.engine_core import EngineCore
 from jbatch.engine.interface import EngineStats, StepFailed
 from jbatch.engine.parent_request import ParentRequest, merge_outputs, whole_families
 from jbatch.engine.request import Request, RequestStatus
+from jbatch.engine.request_intake import RequestIntake
 from jbatch.engine.scheduler import Scheduler, SchedulerOutput
 from jbatch.engine.sizing import resolve
 from jbatch.engine.tenants import check_tenant
@@ -61,7 +61,7 @@ from jbatch.models.llama import unstack_layers
 from jbatch.models.quant import ensure_quantized
 from jbatch.outputs import OutputKind, RequestOutput
 from jbatch.sampling_params import SamplingParams
-from jbatch.tokenizer import IncrementalDetokenizer, Tokenizer
+from jbatch.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class LLMEngine:
         if warmup:
             self.state = self.core.warmup(params, self.state)
         self.scheduler = Scheduler(cfg)
-        self._grammars: grammar.GrammarCompiler | None = None  # built on first use
+        self.intake = RequestIntake(cfg, model_cfg.vocab_size, tokenizer, self.eos_ids)
         # Requests by id; the children of an n > 1 request by (id, index), its ParentRequest
         # in ``parents``.
         self.requests: dict[str | tuple[str, int], Request] = {}
@@ -142,92 +142,24 @@ class LLMEngine:
         params = params or SamplingParams()
         if self.cfg.role == "decode":
             raise ValueError("a role='decode' engine takes handed-over requests only")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         tenant = check_tenant(tenant)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests or request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt_text, ids = self._prompt_ids(prompt)
-        room = self.cfg.max_seq_len - len(ids)
-        if room < 1:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; max_seq_len={self.cfg.max_seq_len} leaves no room "
-                f"to generate"
-            )
-        if params.min_tokens:
-            raise ValueError(f"min_tokens={params.min_tokens} is not supported yet")
-        matcher = None if params.structured is None else self._matcher(params)
-        detok = None
-        new_detok = lambda: IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        if self.tokenizer is not None:
-            detok = new_detok()
-        elif params.stop:
-            raise ValueError(f"stop={params.stop!r} needs a tokenizer; this model has none")
-        seq = Request(
-            request_id=request_id,
-            prompt_ids=ids,
-            params=params,
-            max_tokens=min(params.max_tokens or room, room),
-            seed=secrets.randbelow(2**32) if params.seed is None else params.seed,
-            eos_ids=self.eos_ids,
-            prompt=prompt_text,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            priority=priority,
-            tenant=tenant,
-            detokenizer=detok,
-            output_kind=OutputKind(output_kind),
-            matcher=matcher,
-        )
+        seq, per_child = self.intake.request(
+            request_id, prompt, params, eos_ids=self.eos_ids, priority=priority,
+            arrival_time=arrival_time, output_kind=output_kind, tenant=tenant,
+        )  # fmt: skip
         if params.n == 1:
             self.requests[request_id] = seq
             self.scheduler.add(seq)
             return request_id
-        per_child = lambda: {  # each child's own detokenizer and grammar matcher
-            "detokenizer": new_detok() if detok else None,
-            "matcher": None if matcher is None else self._matcher(params),
-        }
         parent = ParentRequest.fan_out(seq, params.n, per_child)
         self.parents[request_id] = parent
         for key, child in zip(parent.child_keys(), parent.children):
             self.requests[key] = child
             self.scheduler.add(child)
         return request_id
-
-    def _matcher(self, params: SamplingParams):
-        """The grammar matcher of a structured request (ValueError if the spec is rejected)."""
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("structured output needs a tokenizer; this model has none")
-            self._grammars = grammar.GrammarCompiler(
-                self.tokenizer, self.model_cfg.vocab_size, self.eos_ids
-            )
-        return self._grammars.matcher(params.structured)
-
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-            ids = self.tokenizer.encode(prompt)
-            text = prompt
-        else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                msg = f"prompt must be a string or a list of token ids, got {prompt!r}"
-                raise ValueError(msg) from None
-            if any(isinstance(t, bool) or int(t) != t for t in prompt):
-                raise ValueError(f"prompt token ids must be ints, got {list(prompt)!r}")
-            text = None
-        if not ids:
-            raise ValueError("prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token id {bad[0]} is outside the vocabulary "
-                f"[0, {self.model_cfg.vocab_size})"
-            )
-        return text, ids
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; its slot and pages are free for the next step."""
@@ -359,7 +291,7 @@ class LLMEngine:
         if not rows:
             return None
         t0 = time.perf_counter()
-        mask = self._grammars.bitmask(rows, self.cfg.max_slots)
+        mask = self.intake.grammars.bitmask(rows, self.cfg.max_slots)
         self.counters["bitmask_seconds"] += time.perf_counter() - t0
         return mask
 

@@ -97,7 +97,7 @@ def load(engine: LLMEngine, directory: str | Path) -> None:
         if seq.detokenizer is not None:
             seq.detokenizer.tokenizer = engine.tokenizer
         if seq.params.structured is not None and not seq.finished:
-            seq.matcher = engine._matcher(seq.params)
+            seq.matcher = engine.intake.matcher(seq.params)
             if seq.output_ids and not seq.matcher.consume_tokens(seq.output_ids):
                 raise ValueError(f"request {seq.request_id}: its outputs do not replay")
 
