@@ -114,9 +114,12 @@ class ExecutableStore:
 
     @classmethod
     def from_compilation_cache(cls) -> ExecutableStore | None:
-        """The store beside JAX's persistent compilation cache; None while that is off."""
+        """The store beside JAX's persistent compilation cache; None while that is off or
+        is not a local directory (JAX also takes e.g. ``gs://`` URLs; the store does not)."""
         cache = jax.config.jax_compilation_cache_dir
-        return cls(Path(cache) / SUBDIR) if cache else None
+        if not cache or "://" in str(cache):
+            return None
+        return cls(Path(cache) / SUBDIR)
 
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.jaxexe"
