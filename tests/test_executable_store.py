@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from tests.compile_counter import count_compiles
 
 SMALL = dict(max_slots=2, max_num_batched_tokens=16, num_pages=16, max_seq_len=64)
 ROOT = Path(__file__).resolve().parents[1]
+FROM_CACHE = ExecutableStore.from_compilation_cache  # before the fixture below replaces it
 PROMPTS = ["The cat sat on the", "Once upon a time"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -118,3 +120,17 @@ def test_a_program_from_jaxs_persistent_cache_is_not_stored(tmp_path, first):
         again = _start(tmp_path, "on")
         assert again["programs"]["loaded"] == again["programs"]["stored"] == 0, again
         assert again["tokens"] == tokens
+
+
+def test_the_store_follows_jaxs_cache_dir_only_when_it_is_local(tmp_path):
+    old = jax.config.jax_compilation_cache_dir
+    try:
+        for where, expected in ((None, None), ("gs://bucket/xla", None), (str(tmp_path), True)):
+            jax.config.update("jax_compilation_cache_dir", where)
+            store = FROM_CACHE()
+            if expected is None:
+                assert store is None, where
+            else:
+                assert store.directory == tmp_path / executable_store.SUBDIR
+    finally:
+        jax.config.update("jax_compilation_cache_dir", old)
