@@ -39,7 +39,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         elif field.type in ("bool", bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
         else:
-            kind = int if str(field.type).startswith("int") else str
+            kinds = {"int": int, "float": float}
+            kind = next((k for n, k in kinds.items() if str(field.type).startswith(n)), str)
             shown = "from the model / the machine" if field.default is None else field.default
             group.add_argument(flag, type=kind, default=field.default, help=f"default: {shown}")
 

@@ -12,8 +12,8 @@ Modes:
   sharding (spec, global shape, per-device shard shapes, devices).
 * ``load_rss CKPT TP [naive]``: peak host RSS while loading CKPT sharded over TP devices
   (``naive``: load whole params on the host, then ``shard_params``, for comparison).
-* ``stored CKPT DIR``: a tp=2 engine built twice over the executable store in DIR (the second
-  loads every step program).
+* ``stored CKPT DIR``: a tp=2 engine and a dp=2 pair, each built twice over the executable
+  store in DIR (the second build loads every step program).
 * ``multihost CKPT PORT PROC_ID NPROC``: one process of a multi-process run (tp over all
   processes' devices) of the same workload.
 """
@@ -242,26 +242,32 @@ def multihost(ckpt: str, port: int, proc_id: int, nproc: int) -> dict:
 
 
 def stored(ckpt: str, directory: str) -> dict:
-    """The same tp=2 engine built twice with the executable store in ``directory``: what each
-    warm-up loaded, compiled and stored, each one's greedy workload, compiles after warm-up."""
+    """A tp=2 engine, then a dp=2 pair of one-device replicas, each built twice with the
+    executable store in ``directory``: per build, what each replica's warm-up loaded, compiled
+    and stored, its greedy workload and the compiles after warm-up."""
     import jax
 
     from jbatch.engine.executable_store import ExecutableStore
     from jbatch.models.config import ModelConfig
     from jbatch.parallel import build_engines
+    from jbatch.parallel.router import ReplicaRouter
     from tests.compile_counter import count_compiles
 
     ExecutableStore.from_compilation_cache = classmethod(lambda cls: cls(directory))
     model_cfg = ModelConfig.from_file(os.path.join(ckpt, "config.json"))
-    runs = []
-    for _ in range(2):
-        (engine,) = build_engines(model_cfg, engine_config(tp=2), model_dir=ckpt)
-        with count_compiles() as compiled:
-            outs = run_workload(engine)
-            jax.block_until_ready(engine.state)
-        runs.append(dict(programs=engine.core.warmup_programs, outputs=outs,
-                         compiles_after_warmup=compiled))  # fmt: skip
-    return {"runs": runs}
+    result = {}
+    for tp, dp in ((2, 1), (1, 2)):
+        runs = []
+        for _ in range(2):
+            engines = build_engines(model_cfg, engine_config(tp=tp, dp=dp), model_dir=ckpt)
+            engine = engines[0] if dp == 1 else ReplicaRouter(engines)
+            with count_compiles() as compiled:
+                outs = run_workload(engine)
+                jax.block_until_ready([e.state for e in engines])
+            runs.append(dict(programs=[e.core.warmup_programs for e in engines], outputs=outs,
+                             compiles_after_warmup=compiled))  # fmt: skip
+        result[f"tp{tp}_dp{dp}"] = runs
+    return result
 
 
 def main(argv: list[str]) -> None:

@@ -70,6 +70,24 @@ def test_a_torn_file_is_dropped_and_compiled_again(store_dir, first):
     assert _tokens(again) == tokens
 
 
+def test_a_stored_program_that_does_not_run_is_dropped_and_compiled(store_dir, first, monkeypatch):
+    """A program that loads but fails at warm-up (here: another bucket's, as if its key had
+    missed what made it) costs a compile, never a failed start or a wrong program."""
+    llm, tokens = first
+    real_load = ExecutableStore.load
+    keys = sorted(p.stem for p in store_dir.glob("*.jaxexe"))
+
+    def wrong(self, key, devices):
+        other = keys[(keys.index(key) + 1) % len(keys)] if key in keys else key
+        return real_load(self, other, devices)
+
+    monkeypatch.setattr(ExecutableStore, "load", wrong)
+    again = LLM(str(demo_model_path()), **SMALL)
+    n = len(llm.engine.core.layouts)
+    assert again.engine.core.warmup_programs == {"loaded": 0, "compiled": n, "stored": n}
+    assert _tokens(again) == tokens
+
+
 def test_whatever_changes_a_program_changes_its_key(first, monkeypatch):
     llm, _ = first
     engine = llm.engine

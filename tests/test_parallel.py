@@ -111,13 +111,16 @@ def test_greedy_outputs_identical_on_every_mesh(runs, variant):
         assert r["swap_outs"] > 0 or "dp2" in config
 
 
-def test_a_sharded_engine_loads_its_step_programs_from_the_store(runs):
-    """tp = 2: the second engine loads every step program the first stored (sharded
-    executables, placed on the same mesh) and serves the same tokens as one device."""
-    first, second = runs["stored"]["runs"]
-    n = first["programs"]["compiled"]
-    assert n > 0 and first["programs"] == {"loaded": 0, "compiled": n, "stored": n}
-    assert second["programs"] == {"loaded": n, "compiled": 0, "stored": 0}
+@pytest.mark.parametrize("mesh", ["tp2_dp1", "tp1_dp2"])
+def test_sharded_engines_load_their_step_programs_from_the_store(runs, mesh):
+    """tp = 2, and dp = 2 (two replicas of one config on different devices: each must get its
+    own programs): the second build loads every step program the first stored, placed on the
+    same devices, and serves the same tokens as one device."""
+    first, second = runs["stored"][mesh]
+    for built, again in zip(first["programs"], second["programs"]):  # per replica
+        n = built["compiled"]
+        assert n > 0 and built == {"loaded": 0, "compiled": n, "stored": n}
+        assert again == {"loaded": n, "compiled": 0, "stored": 0}
     assert second["outputs"] == first["outputs"] == runs["matrix/llama_tp"]["tp1_dp1"]["outputs"]
     assert second["compiles_after_warmup"] == [] == first["compiles_after_warmup"]
 

@@ -59,6 +59,11 @@ class EngineConfig:
         "fair" (fair share between tenants: virtual token counters, priority bands first).
     tenant_weights: (tenant, weight) pairs (a dict is accepted): a tenant's share under
         "fair" is proportional to its weight (default 1). CLI: ``--tenant-weights FILE`` (JSON).
+    prefill_pacing: pace the chunks of a long prompt (past its first ``max_num_batched_tokens``
+        tokens) while other requests decode, so they keep their step time: the paced chunks
+        take at most this share of the decoders' own time, measured (``prefill_pacer.py``;
+        e.g. 0.8: decoders' time per output token within ~1.8x). None: off (a running prompt's
+        chunk takes whatever budget the decodes leave).
     debug_checks: verify the scheduler's page and slot invariants after every step (slow).
     structured_overlap: also compile each step as a forward program and a sampling program, so
         a step with structured-output requests is dispatched before its token bitmask is ready
@@ -104,6 +109,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     scheduling_policy: str = "priority"
     tenant_weights: tuple[tuple[str, float], ...] = ()
+    prefill_pacing: float | None = None
     debug_checks: bool = False
     structured_overlap: bool = False
     quantization: str | None = None
@@ -157,6 +163,11 @@ class EngineConfig:
                 f"decodes (speculate on the decode engine)"
             )
         object.__setattr__(self, "tenant_weights", check_weights(self.tenant_weights))
+        pacing = self.prefill_pacing
+        if pacing is not None and (
+            isinstance(pacing, bool) or not isinstance(pacing, int | float) or not pacing > 0
+        ):
+            raise ValueError(f"prefill_pacing must be a number > 0 or None, got {pacing!r}")
         self._check_speculative()
         if self.dtype is None:
             object.__setattr__(self, "dtype", default_dtype())

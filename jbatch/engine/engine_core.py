@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
 
 import jax
 import numpy as np
@@ -24,7 +25,7 @@ from jaxtyping import Array, Int32
 from jbatch.engine import buckets, swap
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import engine_step, unpack_output
-from jbatch.engine.executable_store import ExecutableStore, digest, signature
+from jbatch.engine.executable_store import ExecutableStore, device_ids, digest, signature
 from jbatch.engine.grammar import all_allowed
 from jbatch.engine.logprobs import HostTopLogprobs
 from jbatch.engine.precompile import prepare
@@ -33,6 +34,8 @@ from jbatch.engine.split_step import SplitPrograms
 from jbatch.engine.state import EngineState, init_state
 from jbatch.engine.step_input import StepInput, StepInputLayout, all_layouts, spec_layouts
 from jbatch.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +219,8 @@ class EngineCore:
         tokens each slot may sample (``grammar.GrammarCompiler.bitmask``; a fresh array per
         step), None: all."""
         key = _key_of(inp)
-        program = self._ready.get(key) or self._steps[key]
+        program = self._ready.get(key)
+        program = self._steps[key] if program is None else program
         state, packed = program(params, state, inp.ints, inp.floats, self._mask(bitmask))
         self.programs_run[key] += 1
         return state, self._dispatched_step(inp, packed)
@@ -318,14 +322,32 @@ class EngineCore:
         the signature of its arguments."""
         args = signature(params, state, inp.ints, inp.floats, self._allow_all)
         configs = (self.model_cfg, self.draft_cfg, self.cfg, self.mesh)
-        return digest(*map(repr, configs), _key_of(inp), args)
+        return digest(*map(repr, configs), device_ids(self.mesh), _key_of(inp), args)
 
     def warmup(self, params: dict, state: EngineState) -> EngineState:
-        """Compile every program the engine will ever run (one step per bucket pair); step
-        programs come from the executable store when it holds them."""
-        spec_inputs = [self.new_spec_input(g) for _, g in self.spec_layouts]
-        inputs = [self.new_input(*key) for key in self.layouts] + spec_inputs
+        """Compile every program the engine will ever run (one step per bucket pair) and run
+        each once; step programs come from the executable store when it holds them. A stored
+        program that loads but fails to run (a key that missed what made it) is dropped from
+        the store and compiled afresh."""
         store = None if self._multiprocess else ExecutableStore.from_compilation_cache()
+        loaded = self._prepare_steps(params, state, store)
+        try:
+            return self._run_once(params, state)
+        except Exception:
+            if not loaded:
+                raise
+            log.warning("a stored step program failed at warm-up; compiling it", exc_info=True)
+            for key in loaded:
+                store.drop(key)
+            state = self.init_state()  # the failed step may have consumed the donated state
+            self._prepare_steps(params, state, store)
+            return self._run_once(params, state)
+
+    def _prepare_steps(self, params: dict, state: EngineState, store) -> list[str]:
+        """Every step program loaded or compiled (``precompile.prepare``); the store keys of
+        those loaded."""
+        inputs = [self.new_input(*key) for key in self.layouts]
+        inputs += [self.new_spec_input(g) for _, g in self.spec_layouts]
         programs = {
             _key_of(inp): (
                 self._store_key(params, state, inp),
@@ -333,7 +355,12 @@ class EngineCore:
             )
             for inp in inputs
         }
-        self._ready, self.warmup_programs = prepare(programs, store)
+        devices = [self.device] if self.mesh is None else list(self.mesh.devices.flat)
+        self._ready, self.warmup_programs, loaded = prepare(programs, store, devices)
+        return loaded
+
+    def _run_once(self, params: dict, state: EngineState) -> EngineState:
+        """Run every program once on an empty batch (swaps, handovers, each step bucket)."""
         if self.cfg.swaps:
             state, saved = self.swap_out(state, 0, self.unused_pages())
             saved = self.to_device(self.to_host(saved))  # the round trip a swap makes
@@ -353,7 +380,8 @@ class EngineCore:
                 inp.release[:] = True
                 state, pending = self.sample(*self.forward(params, state, inp))
                 self.fetch(pending)
-        for inp in spec_inputs:
+        for _, groups in self.spec_layouts:
+            inp = self.new_spec_input(groups)
             inp.release[:] = True
             state, pending = self.step(params, state, inp)
             self.fetch(pending)

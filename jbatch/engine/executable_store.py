@@ -11,25 +11,29 @@ A program's key is a SHA-256 over everything that can change what tracing would 
 
 * the source of ``jbatch`` and ``pallas_kernels`` (every ``.py`` file: any edit is a miss);
 * jax, jaxlib, flax and Python versions, the backend (platform, version, device kinds and
-  count), ``XLA_FLAGS`` and the jax config flags that change lowering;
+  count), the host CPU's ISA flags, ``XLA_FLAGS``, ``LIBTPU_INIT_ARGS``, ``--xla*`` arguments
+  and every jax config value but cache and logging settings;
 * the model config, the draft model's and the engine config (all fields: a field that does
   not reach the program only costs a miss), the mesh, the program's bucket key;
-* the signature of its arguments: tree structure, shape, dtype, weak type and sharding of
-  every leaf (params, state, step input buffers, token bitmask).
+* the signature of its arguments: tree structure, shape, dtype, weak type, sharding and its
+  devices (in order) of every leaf (params, state, step input buffers, token bitmask).
 
 It lives in ``<compilation cache dir>/jbatch-executables`` and is on exactly when the
-compilation cache is (one switch). A file that fails to load is deleted and counts as a miss.
+compilation cache is (one switch), unless that is a URL (``gs://``) or no sources are found.
+A file that fails to load is deleted and counts as a miss; a store that cannot be read or
+written (permissions, a full disk) only logs. Nothing is evicted: each new source version or
+config adds its programs (a few MB each; delete the directory to reclaim it).
 Like JAX's own cache, loading runs code from that directory: it must be trusted.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib
 import logging
 import os
 import pickle
+import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -42,27 +46,43 @@ log = logging.getLogger(__name__)
 FORMAT = 1  # bump when what a file holds changes
 SUBDIR = "jbatch-executables"
 _PACKAGES = ("jbatch", "pallas_kernels")
-# jax config flags that change how a program is traced or lowered.
-_FLAGS = (
-    "jax_enable_x64",
-    "jax_default_matmul_precision",
-    "jax_default_prng_impl",
-    "jax_threefry_partitionable",
-    "jax_numpy_rank_promotion",
-    "jax_use_shardy_partitioner",
-)
+# jax config values left out of the key: where caches live and what is logged (the rest, any
+# flag that may change tracing, lowering or compiling, is in it).
+_NOT_PROGRAM = ("jax_compilation_cache", "jax_persistent_cache", "jax_log", "jax_explain",
+                "jax_debug_log", "jax_raise_persistent_cache")  # fmt: skip
 
 
-@functools.cache
-def source_fingerprint() -> str:
-    """SHA-256 of every ``.py`` file of the packages whose code is traced into a program."""
-    h = hashlib.sha256()
+def _source_fingerprint() -> str | None:
+    """SHA-256 of every ``.py`` file of the packages whose code is traced into a program (None:
+    no sources found, e.g. a bytecode-only install: the store stays off)."""
+    h, found = hashlib.sha256(), 0
     for package in _PACKAGES:
         root = Path(importlib.import_module(package).__file__).parent
         for path in sorted(root.rglob("*.py")):
             h.update(str(path.relative_to(root.parent)).encode())
             h.update(path.read_bytes())
-    return h.hexdigest()
+            found += 1
+    return h.hexdigest() if found else None
+
+
+# Read once, when the engine is imported: the code that runs is the code that was imported,
+# even if the files change later (an edit, a checkout) before a warm-up stores its programs.
+_SOURCES = _source_fingerprint()
+
+
+def source_fingerprint() -> str | None:
+    return _SOURCES
+
+
+def _host_cpu() -> str:
+    """What the host CPU can run (on CPU the backend reports only "cpu"): its ISA flags."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return platform.machine() + ":" + hashlib.sha256(line.encode()).hexdigest()
+    except OSError:
+        pass
+    return platform.machine() + ":" + platform.processor()
 
 
 def environment() -> tuple:
@@ -72,7 +92,11 @@ def environment() -> tuple:
 
     devices = jax.devices()
     backend = devices[0].client
-    flags = tuple((name, str(getattr(jax.config, name, None))) for name in _FLAGS)
+    config = sorted(
+        (name, repr(value))
+        for name, value in jax.config.values.items()
+        if not name.startswith(_NOT_PROGRAM)
+    )
     return (
         FORMAT,
         jax.__version__,
@@ -83,8 +107,11 @@ def environment() -> tuple:
         backend.platform_version,
         tuple(sorted({d.device_kind for d in devices})),
         len(devices),
+        _host_cpu(),
         os.environ.get("XLA_FLAGS", ""),
-        flags,
+        os.environ.get("LIBTPU_INIT_ARGS", ""),
+        tuple(a for a in sys.argv if a.startswith("--xla")),
+        tuple(config),
     )
 
 
@@ -95,8 +122,20 @@ def signature(*trees) -> str:
     parts = [str(treedef)]
     for x in leaves:
         weak = getattr(x, "weak_type", False)
-        parts.append(f"{x.dtype}{list(x.shape)}:{weak}:{getattr(x, 'sharding', None)!r}")
+        sharding = getattr(x, "sharding", None)
+        parts.append(f"{x.dtype}{list(x.shape)}:{weak}:{sharding!r}:{device_ids(sharding)}")
     return "\n".join(parts)
+
+
+def device_ids(placement) -> tuple[int, ...]:
+    """The devices of a sharding or mesh, in its order (its ``repr`` does not name them: two
+    replicas of one config on different devices must not share a program)."""
+    if placement is None:
+        return ()
+    mesh = getattr(placement, "mesh", placement)
+    if hasattr(mesh, "devices") and hasattr(mesh.devices, "flat"):
+        return tuple(d.id for d in mesh.devices.flat)
+    return tuple(sorted(d.id for d in placement.device_set))
 
 
 def digest(*parts) -> str:
@@ -117,27 +156,40 @@ class ExecutableStore:
         """The store beside JAX's persistent compilation cache; None while that is off or
         is not a local directory (JAX also takes e.g. ``gs://`` URLs; the store does not)."""
         cache = jax.config.jax_compilation_cache_dir
-        if not cache or "://" in str(cache):
+        if not cache or "://" in str(cache) or source_fingerprint() is None:
             return None
         return cls(Path(cache) / SUBDIR)
 
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.jaxexe"
 
-    def load(self, key: str) -> jax.stages.Compiled | None:
-        """The program stored under ``key``, loaded onto this process's devices (None: none)."""
+    def load(self, key: str, devices: list) -> jax.stages.Compiled | None:
+        """The program stored under ``key``, loaded onto ``devices`` (the ones it runs on, in
+        its order; None: nothing stored)."""
         path = self._path(key)
         try:
             blob = path.read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as e:  # unreadable here (permissions, not a file): compile instead
+            log.warning("cannot read stored executable %s: %s", path, e)
+            return None
         try:
             serialized, in_tree, out_tree = pickle.loads(blob)
-            return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+            return serialize_executable.deserialize_and_load(
+                serialized, in_tree, out_tree, execution_devices=devices
+            )
         except Exception as e:  # a torn or foreign file: drop it, compile afresh
             log.warning("dropping unreadable stored executable %s: %s", path, e)
             path.unlink(missing_ok=True)
             return None
+
+    def drop(self, key: str) -> None:
+        """Forget the program stored under ``key`` (it loaded but did not run)."""
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("cannot drop stored executable %s: %s", self._path(key), e)
 
     def save(self, key: str, compiled: jax.stages.Compiled) -> bool:
         """Store ``compiled`` under ``key`` (atomically: a reader never sees half a file); only
@@ -148,13 +200,16 @@ class ExecutableStore:
         except Exception as e:
             log.warning("not storing an executable that cannot be serialized: %s", e)
             return False
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+        tmp = None
         try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
             os.replace(tmp, self._path(key))
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        except OSError as e:  # a full disk, a read-only cache: the engine runs without it
+            log.warning("cannot store an executable in %s: %s", self.directory, e)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            return False
         return True

@@ -95,7 +95,7 @@ class LLMEngine:
         open in ``cfg`` are taken from the model (:func:`jbatch.engine.sizing.resolve`)."""
         cfg = resolve(cfg, model_cfg)
         self.model_cfg, self.cfg, self.tokenizer = model_cfg, cfg, tokenizer
-        self.eos_ids = frozenset(eos_token_ids)
+        self.intake = RequestIntake(cfg, model_cfg.vocab_size, tokenizer, frozenset(eos_token_ids))
         draft = None
         if cfg.speculative == "draft" and core is None:  # engine/draft_proposer.py
             draft = load_draft(cfg.speculative_model, model_cfg, cfg, tokenizer)
@@ -113,7 +113,6 @@ class LLMEngine:
         if warmup:
             self.state = self.core.warmup(params, self.state)
         self.scheduler = Scheduler(cfg)
-        self.intake = RequestIntake(cfg, model_cfg.vocab_size, tokenizer, self.eos_ids)
         # Requests by id; the children of an n > 1 request by (id, index), its ParentRequest
         # in ``parents``.
         self.requests: dict[str | tuple[str, int], Request] = {}
@@ -121,9 +120,19 @@ class LLMEngine:
         self._inflight: collections.deque[tuple[SchedulerOutput, object]] = collections.deque()
         self._ids = itertools.count()
         self._failures = 0  # consecutive failed steps
+        self._last_result_at = 0.0  # when the last step's result was read (perf_counter)
         self.counters: collections.Counter = collections.Counter()  # see EngineStats
         self._token_texts = logprob_host.TokenTexts(tokenizer)  # Logprob.decoded_token
         self._speculator = speculator.Speculator(cfg) if cfg.speculative else None
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """The token ids that end a request (``RequestIntake.eos_ids``, the one copy)."""
+        return self.intake.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids) -> None:
+        self.intake.eos_ids = frozenset(ids)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -147,7 +156,7 @@ class LLMEngine:
         if request_id in self.requests or request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seq, per_child = self.intake.request(
-            request_id, prompt, params, eos_ids=self.eos_ids, priority=priority,
+            request_id, prompt, params, priority=priority,
             arrival_time=arrival_time, output_kind=output_kind, tenant=tenant,
         )  # fmt: skip
         if params.n == 1:
@@ -213,7 +222,7 @@ class LLMEngine:
             # The rest of its processing (text, stop checks) overlaps the next step.
             if lockstep and not early:
                 prev, handle = self._inflight.popleft()
-                result = self._fetch(handle)
+                result = self._fetch(prev, handle)
                 early.append((prev, result, self._advance_grammars(prev, result.tokens)))
                 self.counters["constrained_steps"] += 1
 
@@ -265,6 +274,7 @@ class LLMEngine:
                 inp = batch_builder.build_step_input(self.cfg, core, sched)
                 before_step()
                 self.state, handle = core.step(self.params, self.state, inp, self._bitmask(sched))
+            sched.dispatched_at = time.perf_counter()
             self._inflight.append((sched, handle))
             counters["dispatches"] += 1
         elif sched.releases:
@@ -301,13 +311,19 @@ class LLMEngine:
         return padded
 
     def _process(self, sched: SchedulerOutput, handle) -> list[RequestOutput]:
-        result = self._fetch(handle)
+        result = self._fetch(sched, handle)
         return self._process_result(sched, result, self._advance_grammars(sched, result.tokens))
 
-    def _fetch(self, handle):
+    def _fetch(self, sched: SchedulerOutput, handle):
         t0 = time.perf_counter()
         result = self.core.fetch(handle)
-        self.counters["device_wait_seconds"] += time.perf_counter() - t0
+        done = time.perf_counter()
+        self.counters["device_wait_seconds"] += done - t0
+        pacer = self.scheduler.pacer
+        if pacer is not None:  # the step ran from its dispatch or the previous result on
+            took = done - max(sched.dispatched_at, self._last_result_at)
+            pacer.observe(took, sched.paced_pairs, len(sched.decodes))
+        self._last_result_at = done
         return result
 
     @staticmethod
@@ -378,7 +394,7 @@ class LLMEngine:
 
     POLICY_FIELDS = (
         "enable_prefix_caching", "aging_steps", "preemption_mode", "scheduling_policy",
-        "tenant_weights",
+        "tenant_weights", "prefill_pacing",
     )  # fmt: skip
 
     def set_policies(self, **policies) -> None:

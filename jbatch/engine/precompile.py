@@ -64,15 +64,17 @@ def _compile(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
 def prepare(
     programs: dict[Hashable, tuple[str, Callable[[], jax.stages.Lowered]]],
     store: ExecutableStore | None = None,
+    devices: list | None = None,
     workers: int | None = None,
-) -> tuple[dict[Hashable, jax.stages.Compiled], dict[str, int]]:
-    """``programs``: name -> (store key, a function lowering it). Returns name -> compiled
-    program, and counts: ``loaded`` from the store, ``compiled`` here (lowered, then compiled
-    or taken from JAX's persistent cache), ``stored`` into the store."""
+) -> tuple[dict[Hashable, jax.stages.Compiled], dict[str, int], list[str]]:
+    """``programs``: name -> (store key, a function lowering it); ``devices``: the devices the
+    programs run on, in order (needed with a ``store``). Returns name -> compiled program, and
+    counts: ``loaded`` from the store, ``compiled`` here (lowered, then compiled or taken from
+    JAX's persistent cache), ``stored`` into the store; and the store keys of those loaded."""
     names = list(programs)
     ready: dict[Hashable, jax.stages.Compiled] = {}
     if store is not None:
-        loaded = _map(lambda name: store.load(programs[name][0]), names, workers)
+        loaded = _map(lambda name: store.load(programs[name][0], devices), names, workers)
         ready = {name: c for name, c in zip(names, loaded) if c is not None}
     missing = [name for name in names if name not in ready]
     lowered = [programs[name][1]() for name in missing]
@@ -81,4 +83,6 @@ def prepare(
         ready[name] = program
         if store is not None and fresh:
             stored += store.save(programs[name][0], program)
-    return ready, {"loaded": len(names) - len(missing), "compiled": len(missing), "stored": stored}
+    counts = {"loaded": len(names) - len(missing), "compiled": len(missing), "stored": stored}
+    loaded_keys = [programs[name][0] for name in names if name not in missing]
+    return ready, counts, loaded_keys

@@ -28,7 +28,7 @@ class RequestIntake:
     cfg: EngineConfig
     vocab_size: int
     tokenizer: Tokenizer | None
-    eos_ids: frozenset[int]  # what ends a grammar
+    eos_ids: frozenset[int]  # what ends a request (and its grammar)
     _grammars: grammar.GrammarCompiler | None = None  # built on first use
 
     def request(
@@ -37,7 +37,6 @@ class RequestIntake:
         prompt: str | Seq[int],
         params: SamplingParams,
         *,
-        eos_ids: frozenset[int],
         priority: int = 0,
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.DELTA,
@@ -70,7 +69,7 @@ class RequestIntake:
             params=params,
             max_tokens=min(params.max_tokens or room, room),
             seed=secrets.randbelow(2**32) if params.seed is None else params.seed,
-            eos_ids=eos_ids,
+            eos_ids=self.eos_ids,
             prompt=prompt_text,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,

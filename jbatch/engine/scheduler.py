@@ -32,6 +32,7 @@ from jbatch.engine.config import EngineConfig
 from jbatch.engine.page_allocator import PageAllocator
 from jbatch.engine.parent_request import sibling_prompt_pages
 from jbatch.engine.policies import VictimOrder, waiting_queue
+from jbatch.engine.prefill_pacer import PrefillPacer
 from jbatch.engine.request import Request, RequestStatus
 from jbatch.engine.tenants import TenantLedger
 
@@ -73,6 +74,8 @@ class SchedulerOutput:
     # decode engine (``handover.py``); their slots and pages are free for this step.
     handovers: list[tuple[Request, int, list[int]]] = dataclasses.field(default_factory=list)
     prompt_rows: int = 0  # chunk rows used, before rounding up to a bucket
+    paced_pairs: int = 0  # query-key pairs of paced chunks (``prefill_pacer.py``)
+    dispatched_at: float = 0.0  # when the engine dispatched the step (perf_counter)
     # (sequence, slot) of every sequence that receives a token from this step; the slot is kept
     # because a preemption may take it from the sequence before the token is read.
     samplers: list[tuple[Request, int]] = dataclasses.field(default_factory=list)
@@ -97,6 +100,7 @@ class Scheduler:
         self.ledger = TenantLedger(cfg.tenant_weights)
         self.waiting = waiting_queue(cfg, self.ledger)
         self.victim_order = VictimOrder(cfg.scheduling_policy, self.ledger)
+        self.pacer = PrefillPacer(cfg.prefill_pacing, cfg.block_q) if cfg.prefill_pacing else None
         self.running: dict[int, Request] = {}  # slot -> sequence
         self.free_slots: list[int] = list(range(cfg.max_slots))
         self.pending_releases: list[int] = []  # slots of finished sequences, to retire on device
@@ -233,7 +237,11 @@ class Scheduler:
         rows = buckets.prefill_buckets(self.cfg)[-1]
         for seq in sorted(self.running.values(), key=self._victim_key):
             if seq.prefilling and budget > 0 and rows >= self.cfg.block_q:
-                budget, rows = self._schedule_chunk(seq, budget, rows, out)
+                paced, cap = self._pacing(seq, out)
+                if cap != 0:
+                    budget, rows = self._schedule_chunk(seq, budget, rows, out, cap, paced)
+        if out.paced_pairs:
+            self.pacer.scheduled()
         self._admit(out, budget, rows)
         out.releases, self.pending_releases = self.pending_releases, []
         return out
@@ -317,10 +325,29 @@ class Scheduler:
             self.allocator.free(seq.pages[keep:])
             del seq.pages[keep:]
 
-    def _schedule_chunk(self, seq: Request, budget: int, rows: int, out: SchedulerOutput):
+    def _pacing(self, seq: Request, out: SchedulerOutput) -> tuple[bool, int | None]:
+        """Whether ``seq``'s next chunk is paced (``prefill_pacer.py``: a prompt past its first
+        step budget, while others decode), and the most tokens it may take (None: no limit,
+        0: it waits this step)."""
+        pacer = self.pacer
+        if pacer is None or not out.decodes:
+            return False, None
+        if seq.num_computed < self.cfg.max_num_batched_tokens:
+            return False, None
+        return True, 0 if pacer.blocked else pacer.chunk_tokens(seq.num_computed)
+
+    def _schedule_chunk(
+        self,
+        seq: Request,
+        budget: int,
+        rows: int,
+        out: SchedulerOutput,
+        cap: int | None = None,
+        paced: bool = False,
+    ):
         bq, page = self.cfg.block_q, self.cfg.page_size
         start = seq.num_computed
-        n = min(len(seq.prefill_ids) - start, budget, rows)
+        n = min(len(seq.prefill_ids) - start, budget, rows, cap or budget)
         # Shrink to the pages that are free (whole pages beyond those already owned).
         room = (len(seq.pages) + self.allocator.num_free) * page - start
         n = min(n, room)
@@ -328,6 +355,8 @@ class Scheduler:
             return budget, rows
         chunk = Chunk(seq, start, seq.prefill_ids[start : start + n])
         out.chunks.append(chunk)
+        if paced:
+            out.paced_pairs += PrefillPacer.pairs(start, n)
         seq.num_computed += n
         self.ledger.charge(seq.tenant, prompt=n, output=int(chunk.completes_prompt))
         if seq.first_scheduled_step is None:
