@@ -34,6 +34,7 @@ from serving.proto.jbatch.v1 import generation_pb2 as pb
 from serving.proto.jbatch.v1 import generation_pb2_grpc as pb_grpc
 from serving.server import BackgroundServer, ServeConfig
 from tests.hf_models import make_checkpoint
+from tests.serving_harness import slow_steps
 
 ENGINE = dict(
     max_slots=8, page_size=8, num_pages=128, max_num_batched_tokens=64, max_seq_len=256, block_q=16
@@ -294,25 +295,10 @@ def _client_disconnect_aborts(served):
     assert _cancelled_count(served) == before + 1
 
 
-@contextlib.contextmanager
 def _slow_steps(served, seconds: float = 0.02):
     """Each engine step takes at least ``seconds`` (a long request outlasts a disconnect check
     however fast the engine is)."""
-
-    def slow(engine):
-        core = engine.core
-
-        def step(*args):
-            time.sleep(seconds)
-            return type(core).step(core, *args)
-
-        core.step = step
-
-    served.thread.call(slow).result(10)
-    try:
-        yield
-    finally:
-        served.thread.call(lambda engine: vars(engine.core).pop("step", None)).result(10)
+    return slow_steps(served.thread, seconds)
 
 
 def test_http_non_streaming_disconnect_aborts(served):
