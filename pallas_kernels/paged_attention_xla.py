@@ -12,9 +12,6 @@ first, so one long sequence no longer makes every row walk its length. Measured 
 rows, 9/3 heads, head dim 64): mixed lengths 1.4 -> 0.9 ms, one or two long rows among short
 ones 3.7 -> 2.0 ms, but all of equal length 1.9 -> 2.3 ms — so groups are used only when they
 save a third of the chunk iterations (a traced ``lax.cond``; both branches are compiled).
-Buckets of at most ``DECODE_ROW_GROUP`` rows group each row alone: one 16k-context row among 8
-short ones (2 KV heads, head dim 32) 6.8 -> 1.3 ms, where before the 8 rows formed one group
-and all walked 16k keys.
 """
 
 from __future__ import annotations
@@ -43,12 +40,12 @@ def paged_attention_xla(
     """8-bit pools (``k_scales``/``v_scales``) are dequantized chunk by chunk, after the gather:
     only the chunk's pages are ever widened, never the pool."""
     n, bq = q.shape[:2]
-    g = DECODE_ROW_GROUP if n > DECODE_ROW_GROUP else 1  # a small bucket: a group per row
+    g = DECODE_ROW_GROUP
     pool = (k_pages, v_pages, k_scales, v_scales)
     attend = lambda q, tables, pos: _attend(
         q, pool, tables, pos, sliding_window, scale, soft_cap, chunk_tokens
     )
-    if not (bq == 1 and n > 1 and n % g == 0):
+    if not (bq == 1 and n > g and n % g == 0):
         return attend(q, block_tables, q_positions)
 
     def grouped(q, tables, pos):
