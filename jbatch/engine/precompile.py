@@ -10,8 +10,8 @@ executable store where it holds them, else lowered and compiled concurrently.
 3. Each program XLA compiled here is written to the store (when on) for the next start. One
    that JAX's persistent cache supplied is not: XLA:CPU cannot serialize an executable that was
    itself deserialized (jax 0.10.2: the copy fails to run, "Function ... not found", or to
-   serialize, "`LessThan` is not serializable"), so such a program is stored the next time it
-   really compiles.
+   serialize, "`LessThan` is not serializable"), so such a program is stored only once XLA
+   compiles it again (while JAX's cache holds it, never).
 
 The engine dispatches the returned ``Compiled`` objects themselves, so warm-up's steps and every
 later step run exactly these executables (measured: the same dispatch cost as the ``jit``).
