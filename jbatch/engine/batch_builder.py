@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from jbatch.engine import buckets, logprob_host
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.request import Request
-from jbatch.engine.scheduler import Chunk, SchedulerOutput
+from jbatch.engine.scheduler_output import Chunk, SchedulerOutput
 from jbatch.engine.step_input import StepInput
 
 

@@ -19,19 +19,17 @@ import logging
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int32
 
-from jbatch.engine import buckets, swap
+from jbatch.engine import buckets, step_programs, swap
 from jbatch.engine.config import EngineConfig
-from jbatch.engine.core import engine_step, unpack_output
+from jbatch.engine.core import unpack_output
 from jbatch.engine.executable_store import ExecutableStore, device_ids, digest, signature
 from jbatch.engine.grammar import all_allowed
 from jbatch.engine.logprobs import HostTopLogprobs
 from jbatch.engine.precompile import prepare
-from jbatch.engine.spec_step import engine_spec_step, pack_spec, unpack_spec
-from jbatch.engine.split_step import SplitPrograms
-from jbatch.engine.state import EngineState, init_state
+from jbatch.engine.spec_step import unpack_spec
+from jbatch.engine.state import EngineState
 from jbatch.engine.step_input import StepInput, StepInputLayout, all_layouts, spec_layouts
 from jbatch.models.config import ModelConfig
 
@@ -55,14 +53,11 @@ class StepResult:
 
 @dataclasses.dataclass
 class EngineCore:
-    """The engine's compiled programs for one (model, engine config).
+    """The engine's compiled programs for one (model, engine config), and their dispatch.
 
-    With a ``mesh`` (a ``(1, tp)`` mesh of :mod:`jbatch.parallel`) the same functions are jitted
-    with explicit in/out shardings: the KV pool split over KV heads, every other state field and
-    every host input replicated; params (placed as :func:`jbatch.parallel.sharding.param_specs`
-    says) keep their own shardings. XLA's SPMD partitioner splits the matmuls; attention runs
-    per shard under ``shard_map`` (:mod:`jbatch.parallel.attention`). ``model_cfg`` is then the
-    sharded model's config (KV heads replicated when ``tp`` exceeds them).
+    The programs are jitted by ``step_programs.py``, on one device or, with a ``mesh`` (a
+    ``(1, tp)`` mesh of :mod:`jbatch.parallel`), with explicit shardings; ``model_cfg`` is then
+    the sharded model's config (KV heads replicated when ``tp`` exceeds them).
     """
 
     model_cfg: ModelConfig
@@ -92,100 +87,18 @@ class EngineCore:
         if self.draft_cfg is not None:  # every step program also runs the draft
             step_kwargs["draft_cfg"] = self.draft_cfg
         if self.mesh is not None:
-            self._jit_sharded(step_kwargs)
+            pages = self.unused_pages()
+            args = (self.model_cfg, self.cfg, self.layouts, step_kwargs, pages)
+            programs = step_programs.sharded(self.mesh, *args)
         else:
-            self._jit_single(step_kwargs)
+            args = (self.layouts, self.spec_layouts, step_kwargs)
+            programs = step_programs.single_device(self.model_cfg, self.cfg, self.draft_cfg, *args)
+        self._steps, self.split = programs.steps, programs.split
+        self._swap_out, self._swap_in = programs.swap_out, programs.swap_in
+        self._init = programs.init
+        self.device, self.swapped_sharding = programs.device, programs.swapped_sharding
         allow_all = all_allowed(self.cfg.max_slots, self.model_cfg.vocab_size)
         self._allow_all = jax.device_put(allow_all, self.device)
-
-    # ---- compiling -----------------------------------------------------------------------------
-    def _packed_step(self, layout: StepInputLayout, **step_kwargs):
-        def run(params, state, ints, floats, bitmask):
-            state, out = engine_step(
-                params, state, *layout.unpack(ints, floats), bitmask, **step_kwargs
-            )
-            return state, out.packed()
-
-        return run
-
-    def _packed_spec_step(self, layout: StepInputLayout, **step_kwargs):
-        def run(params, state, ints, floats, bitmask):
-            state, out, spec = engine_spec_step(
-                params, state, *layout.unpack(ints, floats), bitmask, **step_kwargs
-            )
-            return state, pack_spec(out, spec)
-
-        return run
-
-    def _jit_single(self, step_kwargs: dict) -> None:
-        jit = lambda layout: jax.jit(self._packed_step(layout, **step_kwargs), donate_argnums=1)
-        self._steps = {key: jit(layout) for key, layout in self.layouts.items()}
-        cfg = self.cfg
-        spec_kwargs = dict(
-            step_kwargs,
-            num_speculative_tokens=cfg.num_speculative_tokens,
-            ngram=(cfg.ngram_min, cfg.ngram_max),
-        )
-        spec = lambda layout: jax.jit(
-            self._packed_spec_step(layout, **spec_kwargs), donate_argnums=1
-        )
-        self._steps.update({key: spec(layout) for key, layout in self.spec_layouts.items()})
-        if self.cfg.structured_overlap:
-            self.split = SplitPrograms(self.layouts, step_kwargs)
-        self._swap_out = jax.jit(swap.swap_out, donate_argnums=0)
-        self._swap_in = jax.jit(swap.swap_in, donate_argnums=0)
-        # The state lives committed on one device, so every program sees the same placement
-        # (a placement change would be a new cache key: a recompile). Swapped-out sequences
-        # wait in host RAM.
-        self.device = jax.devices()[0]
-        self._init = lambda: jax.device_put(
-            init_state(self.model_cfg, self.cfg, self.draft_cfg), self.device
-        )
-        self.swapped_sharding = self.device
-
-    def _jit_sharded(self, step_kwargs: dict) -> None:
-        if self.cfg.structured_overlap:
-            raise ValueError("structured_overlap runs on one device (tp = dp = 1)")
-        from jbatch.parallel.attention import sharded_attention
-        from jbatch.parallel.experts import sharded_experts
-        from jbatch.parallel.sharding import param_shardings, replicated, state_shardings
-        from jbatch.param_layout import expected_param_shapes
-
-        mesh, rep = self.mesh, replicated(self.mesh)
-        self.device = rep
-        init = functools.partial(init_state, self.model_cfg, self.cfg)
-        st = state_shardings(mesh, jax.eval_shape(init))
-        pages = self.unused_pages()
-        saved = state_shardings(mesh, jax.eval_shape(lambda: swap.swap_out(init(), 0, pages)[1]))
-        self.param_shardings = param_shardings(mesh, expected_param_shapes(self.model_cfg))
-        self.state_shardings, self.swapped_sharding = st, saved
-        head = self.param_shardings.get("lm_head", self.param_shardings["embed"])
-        vocab_split = NamedSharding(mesh, P(None, *head.spec[:1]))  # the logits' [S, V] split
-        self._init = jax.jit(init, out_shardings=st)
-        step_kwargs = dict(
-            step_kwargs,
-            logits_shardings=(vocab_split, rep),
-            attention=sharded_attention(mesh),
-            experts=sharded_experts(mesh),
-        )
-        # Params keep the shardings they were placed with (``param_specs``; whatever their
-        # layout), the state and every host input are pinned.
-        jit = lambda layout: jax.jit(
-            self._packed_step(layout, **step_kwargs),
-            in_shardings=(None, st, rep, rep, rep),
-            out_shardings=(st, rep),
-            donate_argnums=1,
-        )
-        self._steps = {key: jit(layout) for key, layout in self.layouts.items()}
-        self._swap_out = jax.jit(
-            swap.swap_out, in_shardings=(st, rep, rep), out_shardings=(st, saved), donate_argnums=0
-        )
-        self._swap_in = jax.jit(
-            swap.swap_in,
-            in_shardings=(st, rep, rep, saved, rep),
-            out_shardings=st,
-            donate_argnums=0,
-        )
 
     # ---- the engine's calls ----------------------------------------------------------------------
     def new_input(self, rows: int, decode_rows: int) -> StepInput:

@@ -38,13 +38,12 @@ import numpy as np
 
 from jbatch.engine import (
     batch_builder,
-    grammar,
     logprob_host,
     request_output,
     snapshot,
     speculator,
-    stop_checker,
-)  # fmt: skip
+    step_results,
+)
 from jbatch.engine.buckets import pick_handover_bucket
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.draft_proposer import DRAFT_PARAMS, load_draft
@@ -53,7 +52,8 @@ from jbatch.engine.interface import EngineStats, StepFailed
 from jbatch.engine.parent_request import ParentRequest, merge_outputs, whole_families
 from jbatch.engine.request import Request, RequestStatus
 from jbatch.engine.request_intake import RequestIntake
-from jbatch.engine.scheduler import Scheduler, SchedulerOutput
+from jbatch.engine.scheduler import Scheduler
+from jbatch.engine.scheduler_output import SchedulerOutput
 from jbatch.engine.sizing import resolve
 from jbatch.engine.tenants import check_tenant
 from jbatch.models.config import ModelConfig
@@ -223,14 +223,14 @@ class LLMEngine:
             if lockstep and not early:
                 prev, handle = self._inflight.popleft()
                 result = self._fetch(prev, handle)
-                early.append((prev, result, self._advance_grammars(prev, result.tokens)))
+                early.append((prev, result, step_results.advance_grammars(prev, result.tokens)))
                 self.counters["constrained_steps"] += 1
 
         sched = self.scheduler.schedule(self._speculator.propose if spec else None)
         split = lockstep and self.cfg.structured_overlap
         dispatched = self._dispatch(sched, feed_grammars, split)
         feed_grammars()  # if nothing was dispatched
-        outputs += self._process_result(*early[0]) if early else []
+        outputs += self._outputs(*early[0]) if early else []
         keep = 1 if (dispatched and self.cfg.async_scheduling) else 0
         while len(self._inflight) > keep:
             outputs += self._process(*self._inflight.popleft())
@@ -312,7 +312,11 @@ class LLMEngine:
 
     def _process(self, sched: SchedulerOutput, handle) -> list[RequestOutput]:
         result = self._fetch(sched, handle)
-        return self._process_result(sched, result, self._advance_grammars(sched, result.tokens))
+        return self._outputs(sched, result, step_results.advance_grammars(sched, result.tokens))
+
+    def _outputs(self, sched: SchedulerOutput, result, ends: dict) -> list[RequestOutput]:
+        args = (self.scheduler, self.counters, self._token_texts)
+        return step_results.step_outputs(sched, result, ends, *args)
 
     def _fetch(self, sched: SchedulerOutput, handle):
         t0 = time.perf_counter()
@@ -325,52 +329,6 @@ class LLMEngine:
             pacer.observe(took, sched.paced_pairs, len(sched.decodes))
         self._last_result_at = done
         return result
-
-    @staticmethod
-    def _advance_grammars(sched: SchedulerOutput, tokens: np.ndarray) -> dict[int, tuple]:
-        """Feed each running structured request its sampled token; the ones that must end
-        (``id(request) -> (finish_reason, error)``)."""
-        ends = {}
-        for seq, slot in sched.samplers:
-            if seq.constrained:
-                end = grammar.advance(seq.matcher, int(tokens[slot]))
-                if end is not None:
-                    ends[id(seq)] = end
-        return ends
-
-    def _process_result(self, sched: SchedulerOutput, result, ends: dict) -> list[RequestOutput]:
-        if sched.prompt_logprob_rows:
-            rows = sched.prompt_logprob_rows
-            logprob_host.read_prompt(rows, result.prompt_top, self._token_texts)
-        if not sched.samplers:
-            return []
-        now = time.monotonic()
-        results: list[tuple[Request, RequestOutput]] = []
-        emitted = speculator.emitted(sched, result, self.scheduler, self.counters)
-        for (seq, toks), (_, slot) in zip(emitted, sched.samplers):
-            seq.inflight -= 1
-            if seq.finished:
-                continue  # finished by an earlier step's token, or aborted
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            done, new = None, 0
-            for token, logprob in toks:  # several after a speculative step
-                if seq.params.logprobs is not None:  # (such requests never speculate)
-                    lp = (token, logprob, result.top, self._token_texts)
-                    logprob_host.read_token(seq, slot, *lp)
-                done, new = stop_checker.append_token(seq, token, logprob), new + 1
-                if done is not None:
-                    break
-            end = ends.get(id(seq))
-            if end is not None and (done is None or end[0] == "error"):
-                done, seq.error = (end[0], None), end[1]  # the grammar ended (or failed)
-            if done is not None:
-                self.scheduler.finish(seq, *done)
-            out = request_output.step_output(seq, new)
-            if out is not None:
-                results.append((seq, out))
-            self.counters["tokens"] += new
-        return merge_outputs(results)  # n > 1: one output per request, not per child
 
     def stats(self) -> EngineStats:
         """A typed snapshot of the engine (what front ends and metrics read)."""

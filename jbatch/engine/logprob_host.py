@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 from jbatch.engine.logprobs import HostTopLogprobs
 from jbatch.engine.request import Request
-from jbatch.engine.scheduler import Chunk, SchedulerOutput
+from jbatch.engine.scheduler_output import Chunk, SchedulerOutput
 from jbatch.outputs import Logprob, TopLogprobs
 from jbatch.tokenizer import Tokenizer
 

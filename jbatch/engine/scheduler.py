@@ -24,8 +24,6 @@ others (``fcfs``, ``fair``). Whatever the policy, each tenant's service is charg
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from collections.abc import Sequence as Seq
 
 from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
@@ -34,63 +32,8 @@ from jbatch.engine.parent_request import sibling_prompt_pages
 from jbatch.engine.policies import VictimOrder, waiting_queue
 from jbatch.engine.prefill_pacer import PrefillPacer
 from jbatch.engine.request import Request, RequestStatus
+from jbatch.engine.scheduler_output import Chunk, Proposal, SchedulerOutput
 from jbatch.engine.tenants import TenantLedger
-
-
-@dataclasses.dataclass
-class Chunk:
-    seq: Request
-    start: int  # first position of the chunk
-    token_ids: list[int]
-
-    @property
-    def completes_prompt(self) -> bool:
-        return self.start + len(self.token_ids) == len(self.seq.prefill_ids)
-
-
-@dataclasses.dataclass(frozen=True)
-class Proposal:
-    """What a speculative step may verify for one request (``spec_step.SpecBatch``)."""
-
-    cap: int  # proposals the step may verify: their pages are granted
-    anchor: int = 0  # stream index of the last token of ``tokens``
-    # n-gram lookup: the stream as far as the host has read it (the device completes it and
-    # looks up the proposals); empty: the device's draft model proposes.
-    tokens: Seq[int] = ()
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    releases: list[int] = dataclasses.field(default_factory=list)  # slots to retire first
-    inserts: list[Request] = dataclasses.field(default_factory=list)
-    decodes: list[Request] = dataclasses.field(default_factory=list)
-    chunks: list[Chunk] = dataclasses.field(default_factory=list)
-    page_writes: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
-    # Swap preemption: (sequence, slot, pages) copied out before the step / written back after it
-    # (a swapped-in sequence runs from the next step on).
-    swap_outs: list[tuple[Request, int, list[int]]] = dataclasses.field(default_factory=list)
-    swap_ins: list[tuple[Request, int, list[int]]] = dataclasses.field(default_factory=list)
-    # Prefill role: (sequence, slot, pages) of prompts done, copied out before the step for a
-    # decode engine (``handover.py``); their slots and pages are free for this step.
-    handovers: list[tuple[Request, int, list[int]]] = dataclasses.field(default_factory=list)
-    prompt_rows: int = 0  # chunk rows used, before rounding up to a bucket
-    paced_pairs: int = 0  # query-key pairs of paced chunks (``prefill_pacer.py``)
-    dispatched_at: float = 0.0  # when the engine dispatched the step (perf_counter)
-    # (sequence, slot) of every sequence that receives a token from this step; the slot is kept
-    # because a preemption may take it from the sequence before the token is read.
-    samplers: list[tuple[Request, int]] = dataclasses.field(default_factory=list)
-    # Prompt rows whose logprobs this step computes (seq, first row, first prompt index, rows),
-    # listed by ``logprob_host.fill_step``.
-    prompt_logprob_rows: list[tuple[Request, int, int, int]] = dataclasses.field(
-        default_factory=list
-    )
-    # A speculative step (``spec_step.py``; decode only): each decode's proposal (None: it
-    # decodes one token), in the order of ``decodes``; None for an ordinary step.
-    drafts: list[Proposal | None] | None = None
-
-    @property
-    def empty(self) -> bool:
-        return not (self.decodes or self.chunks)
 
 
 class Scheduler:

@@ -28,7 +28,8 @@ from __future__ import annotations
 from jbatch.engine import ngram_proposer
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.request import Request
-from jbatch.engine.scheduler import Proposal, Scheduler, SchedulerOutput
+from jbatch.engine.scheduler import Scheduler
+from jbatch.engine.scheduler_output import Proposal, SchedulerOutput
 
 
 class Speculator:
