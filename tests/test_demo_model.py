@@ -12,6 +12,7 @@ import torch
 
 from jbatch import LLM, SamplingParams
 from jbatch.demo import demo_model_path
+from jbatch.models.lm_head import HEAD_T
 
 try:
     DEMO = demo_model_path()
@@ -26,6 +27,7 @@ def test_transformers_greedy_equals_jbatch():
 
     model = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
     llm = LLM(DEMO, max_slots=4, max_num_batched_tokens=64, max_seq_len=256, num_pages=64)
+    assert HEAD_T in llm.engine.params  # the CPU engine's LM head copy is what runs here
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     for out in outs:

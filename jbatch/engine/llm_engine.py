@@ -58,6 +58,7 @@ from jbatch.engine.sizing import resolve
 from jbatch.engine.tenants import check_tenant
 from jbatch.models.config import ModelConfig
 from jbatch.models.llama import unstack_layers
+from jbatch.models.lm_head import with_cpu_head
 from jbatch.models.quant import ensure_quantized
 from jbatch.outputs import OutputKind, RequestOutput
 from jbatch.sampling_params import SamplingParams
@@ -104,6 +105,7 @@ class LLMEngine:
         if params is not None and getattr(self.core, "mesh", None) is None:
             params = ensure_quantized(params, cfg.weight_quant)  # if loaded as floats
             params = unstack_layers(params)  # one device: per-layer arrays, read in place
+            params = with_cpu_head(params)  # XLA:CPU: an [E, V] LM head (lm_head.py)
         if draft is not None:
             params = {**params, DRAFT_PARAMS: draft.params}
         self.params = params

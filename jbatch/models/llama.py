@@ -36,6 +36,7 @@ from jaxtyping import Array, Float, Int
 from jbatch.models import moe, quant
 from jbatch.models.config import ModelConfig
 from jbatch.models.kv_cache import KVCache, write_layer, write_locations
+from jbatch.models.lm_head import HEAD_T
 from jbatch.models.moe_config import MLP_GROUPS, group_of_layer
 from jbatch.models.rope import Rope, apply_rope, rope_tables
 from pallas_kernels import PALLAS_IMPLS, paged_attention, paged_attention_rows, resolve_impl
@@ -287,6 +288,9 @@ def compute_logits(
 ) -> Float[Array, "n vocab"]:
     """LM head (tied to the embedding when the checkpoint has no ``lm_head``), in float32, with
     the model's final soft cap (Gemma 2)."""
+    if HEAD_T in params:  # XLA:CPU's [E, V] copy (``lm_head.py``)
+        logits = quant.matmul(hidden, params[HEAD_T], params.get(quant.scale_key(HEAD_T)))
+        return soft_cap(logits.astype(jnp.float32), cfg.final_soft_cap)
     key = quant.head_key(params)
     head = params[key]  # [V, E]: rows stream contiguously
     logits = quant.matmul_t(hidden, head, params.get(quant.scale_key(key))).astype(jnp.float32)
