@@ -25,7 +25,8 @@ Three engines in one process — the same model and sizes, ``speculative=None``,
 ``speculative="ngram"`` and ``speculative_model=DRAFT`` — run each (workload, batch) in turn
 (the order rotating; at batch 1 per request) for ``--reps`` repetitions; medians of the
 ratios to plain are reported (the machine is shared: ratios, not absolute times). A batch of
-B is B requests submitted together (batch 1: ``--solo`` requests one after another). Writes
+B is B requests submitted together, ``--rounds`` times per repetition (batch 1: ``--solo``
+requests one after another). Writes
 a JSON record and a PNG plot next to it.
 """
 
@@ -124,6 +125,9 @@ def main() -> None:
     ap.add_argument("--solo", type=int, default=4, help="requests run one by one at batch 1")
     ap.add_argument("--workloads", nargs="+", default=["edit", "free", "reask"])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--rounds", type=int, default=6, help="batch > 1: the batch runs this often per repetition"
+    )
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--draft", help="draft checkpoint (default: the demo model's; 'none': skip)")
     ap.add_argument(
@@ -154,7 +158,7 @@ def main() -> None:
             prompts = prompts_for(tokenizer, workload, args.solo if batch == 1 else batch, answer)
             reps = {name: [] for name in engines}
             names = list(engines)
-            batches = [[p] for p in prompts] if batch == 1 else [prompts]
+            batches = [[p] for p in prompts] if batch == 1 else [prompts] * args.rounds
             # Untimed: each engine's first-run costs, and every prompt's prefill — every timed
             # repetition then finds its prompt in the prefix cache (both engines alike), so the
             # ratios compare decoding, where speculation acts.
