@@ -40,6 +40,7 @@ from jbatch.engine.state import EngineState
 from jbatch.models.config import ModelConfig
 from jbatch.models.kv_cache import KVCache
 from jbatch.models.llama import compute_logits, forward, unstack_layers
+from jbatch.models.lm_head import with_cpu_head
 from jbatch.sampling_params import is_greedy
 from jbatch.tokenizer import Tokenizer
 
@@ -241,4 +242,4 @@ def load_draft(
     cfg = ModelConfig.from_file(draft_dir / "config.json")
     check_draft(cfg, target_cfg, Tokenizer.from_dir(draft_dir), target_tokenizer)
     params = load_weights(draft_dir, cfg, config)
-    return DraftModel(cfg, unstack_layers(params))
+    return DraftModel(cfg, with_cpu_head(unstack_layers(params)))  # as the target's
