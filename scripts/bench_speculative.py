@@ -26,8 +26,7 @@ Three engines in one process — the same model and sizes, ``speculative=None``,
 (the order rotating; at batch 1 per request) for ``--reps`` repetitions; medians of the
 ratios to plain are reported (the machine is shared: ratios, not absolute times). A batch of
 B is B requests submitted together, ``--rounds`` times per repetition (batch 1: ``--solo``
-requests one after another). Writes
-a JSON record and a PNG plot next to it.
+requests one after another). Writes a JSON record and a PNG plot next to it.
 """
 
 from __future__ import annotations

@@ -290,8 +290,7 @@ def compute_logits(
     the model's final soft cap (Gemma 2)."""
     if HEAD_T in params:  # XLA:CPU's [E, V] copy (``lm_head.py``)
         logits = quant.matmul(hidden, params[HEAD_T], params.get(quant.scale_key(HEAD_T)))
-        return soft_cap(logits.astype(jnp.float32), cfg.final_soft_cap)
-    key = quant.head_key(params)
-    head = params[key]  # [V, E]: rows stream contiguously
-    logits = quant.matmul_t(hidden, head, params.get(quant.scale_key(key))).astype(jnp.float32)
-    return soft_cap(logits, cfg.final_soft_cap)
+    else:
+        key = quant.head_key(params)  # [V, E]: rows stream contiguously
+        logits = quant.matmul_t(hidden, params[key], params.get(quant.scale_key(key)))
+    return soft_cap(logits.astype(jnp.float32), cfg.final_soft_cap)

@@ -27,7 +27,7 @@ def with_cpu_head(params: dict) -> dict:
     head = params[key]
     if HEAD_T in params or jax.devices()[0].platform != "cpu":  # the one device's platform
         return params
-    if head.size * head.dtype.itemsize > COPY_MAX_BYTES:
+    if head.nbytes > COPY_MAX_BYTES:
         return params
     out = {**params, HEAD_T: head.T}  # a new buffer, row-major [E, V]
     scale = params.get(quant.scale_key(key))
