@@ -84,7 +84,9 @@ class EngineConfig:
     num_speculative_tokens: proposals verified per slot and step (K: K + 1 rows per slot).
     speculative_max_batch: speculate only while at most this many requests decode (above it
         a step costs more rows than speculation saves); also the largest group bucket.
-    ngram_min / ngram_max: the n-gram lengths the proposer tries, longest first.
+    ngram_min / ngram_max: the n-gram lengths the proposer tries, longest first. ``ngram_min``
+        1 (vLLM's prompt-lookup default too): a lone matching token still proposes — the K + 1
+        rows run whether or not a group proposes, so a guess costs nothing when it is wrong.
     tp: tensor parallelism — devices one engine replica's model and KV pool are split over.
     dp: data parallelism — engine replicas (each on its own ``tp`` devices) behind one router.
     role: what the engine runs (``docs/scaling.md``, disaggregation): "mixed" (prompts and
@@ -118,7 +120,7 @@ class EngineConfig:
     speculative_model: str | None = None
     num_speculative_tokens: int = 4
     speculative_max_batch: int = 4
-    ngram_min: int = 2
+    ngram_min: int = 1
     ngram_max: int = 4
     tp: int = 1
     dp: int = 1
