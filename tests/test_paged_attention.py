@@ -56,6 +56,7 @@ CASES = [
     dict(n=3, bq=1, h=4, kvh=4, d=16, page_size=4, num_pages=40, max_pages=6),
     dict(n=2, bq=8, h=8, kvh=2, d=32, page_size=16, num_pages=12, max_pages=4),
     dict(n=4, bq=4, h=6, kvh=1, d=8, page_size=8, num_pages=64, max_pages=9),
+    dict(n=16, bq=1, h=6, kvh=2, d=16, page_size=4, num_pages=256, max_pages=12),  # decode rows
 ]
 
 
@@ -82,6 +83,36 @@ def test_matches_dense_oracle_with_nan_pages(case, window, fn):
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
     assert (got[pos < 0] == 0).all(), "padding rows must be exactly zero"
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_rows_one_long_among_short_and_padding(window):
+    """Decode rows share each loop iteration's chunks whichever rows own them: one long row
+    among short ones, padding rows (-1) and a soft cap must still give every row its own
+    softmax (padding rows exactly zero)."""
+    rng = np.random.RandomState(7)
+    page_size, max_pages, kvh, d = 4, 16, 2, 8
+    pos = np.array([[max_pages * page_size - 1], [2], [0], [-1], [5], [3], [-1], [1]], np.int32)
+    n = len(pos)
+    tables = rng.permutation(160)[: n * max_pages].reshape(n, max_pages).astype(np.int32)
+    k_seq = rng.randn(n, max_pages * page_size, kvh, d).astype(np.float32)
+    v_seq = rng.randn(n, max_pages * page_size, kvh, d).astype(np.float32)
+    kp = np.full((160, page_size, kvh, d), np.nan, np.float32)
+    vp = np.full_like(kp, np.nan)
+    for i in range(n):
+        for t in range(pos[i, 0] + 1):  # only keys 0..pos are written: the rest stays NaN
+            kp[tables[i, t // page_size], t % page_size] = k_seq[i, t]
+            vp[tables[i, t // page_size], t % page_size] = v_seq[i, t]
+    q = rng.randn(n, 1, 4, d).astype(np.float32)
+    args = [jnp.asarray(x) for x in (q, kp, vp, tables, pos)]
+    got = np.asarray(paged_attention_xla(*args, sliding_window=window, chunk_tokens=8))
+    np.testing.assert_allclose(
+        got, dense_oracle(q, k_seq, v_seq, pos, window), atol=2e-5, rtol=1e-4
+    )
+    assert (got[pos < 0] == 0).all()
+    capped = np.asarray(paged_attention_xla(*args, soft_cap=2.0, chunk_tokens=8))
+    ref = np.asarray(paged_attention_reference(*args, soft_cap=2.0))
+    np.testing.assert_allclose(capped, ref, atol=2e-5, rtol=1e-4)
 
 
 def test_bf16_xla_matches_reference():

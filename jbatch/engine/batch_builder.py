@@ -67,15 +67,10 @@ def _fill_insert(cfg: EngineConfig, ins, seq: Request) -> None:
     sp.seed[i] = seq.seed
 
 
-def _context_length(seq: Request) -> int:
-    return seq.num_computed
-
-
 def _fill_step(cfg: EngineConfig, batch, sched: SchedulerOutput) -> None:
-    """Decode slots (compacted, longest context first — attention walks groups of rows only to
-    their longest context — padding after), prompt-chunk rows (each chunk starts a new
+    """Decode slots (compacted, padding after), prompt-chunk rows (each chunk starts a new
     ``block_q`` block, so a block never holds two sequences), page writes."""
-    decodes = sorted(sched.decodes, key=_context_length, reverse=True)
+    decodes = sched.decodes
     batch.decode_slots[: len(decodes)] = [seq.slot for seq in decodes]
     bq = cfg.block_q
     for chunk, r in chunk_rows(sched.chunks, bq):
