@@ -93,7 +93,7 @@ def per_token_cost() -> dict:
     cfg = EngineConfig(max_slots=8, page_size=16, num_pages=2100, max_seq_len=4096)
 
     def run_mock(prompts: int, tokens: int) -> float:
-        model_cfg = argparse.Namespace(vocab_size=1000)
+        model_cfg = argparse.Namespace(vocab_size=1000, max_position_embeddings=cfg.max_seq_len)
         eng = LLMEngine(model_cfg, None, cfg, eos_token_ids=(2,), core=_FreeMock(cfg, 1000))
         for i in range(prompts):
             eng.add_request([5 + i, 6], SamplingParams(max_tokens=tokens, ignore_eos=True))
@@ -114,7 +114,7 @@ class _FreeMock(MockCore):
     """A MockCore whose "model" costs nothing: O(1) per token (the real mock re-reads the whole
     sequence each step), so only the engine's own host work is timed."""
 
-    def _step(self, st, b):
+    def _step(self, st, b, bitmask=None):
         s = self.cfg.max_slots
         for slot, idx, page in zip(b.write_slots, b.write_index, b.write_pages):
             if slot < s:
