@@ -56,17 +56,23 @@ def paged_attention_xla(
     )
 
 
+def _chunks(block_tables, page_size: int, chunk_tokens: int):
+    """The walk's chunks: the page tables padded to whole chunks, pages per chunk, the number
+    of chunks, keys per chunk."""
+    mp = block_tables.shape[1]
+    cp = max(1, min(chunk_tokens // page_size, mp))  # pages per chunk
+    chunks = -(-mp // cp)
+    tables = jnp.pad(block_tables, ((0, 0), (0, chunks * cp - mp)))  # [N, chunks * CP]
+    return tables, cp, chunks, cp * page_size
+
+
 def _attend(q, pool, block_tables, q_positions, sliding_window, scale, soft_cap, chunk_tokens):
     k_pages, v_pages, k_scales, v_scales = pool
     n, bq, h, d = q.shape
-    _, page_size, kvh, _ = k_pages.shape
+    kvh = k_pages.shape[2]
     g = h // kvh
     scale = d**-0.5 if scale is None else scale
-    mp = block_tables.shape[1]
-    cp = max(1, min(chunk_tokens // page_size, mp))  # pages per loop iteration
-    num_chunks_static = -(-mp // cp)
-    tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks_static * cp - mp)))  # [N, chunks*CP]
-    chunk_len = cp * page_size
+    tables, cp, num_chunks_static, chunk_len = _chunks(block_tables, k_pages.shape[1], chunk_tokens)
 
     block_last = jnp.max(q_positions, axis=1)  # [N] last query position per block (-1: padding)
     live_len = jnp.max(block_last) + 1  # longest live context in this call
@@ -115,21 +121,17 @@ def _attend(q, pool, block_tables, q_positions, sliding_window, scale, soft_cap,
 
 def _attend_rows(q, pool, block_tables, q_positions, sliding_window, scale, soft_cap, chunk_tokens):
     """Decode rows (blocks of one query), the work balanced across rows: the (row, chunk) pairs
-    that hold live keys are numbered row by row, and each loop iteration takes the next ``n``
-    of them, whichever rows they belong to. A row's chunks taken in one iteration are merged
-    into its online-softmax state together (a max and two sums over the iteration's pairs), so
-    the trip count is ceil(live chunks of all rows / n): rows of equal length walk as before,
-    and one long row among short ones no longer makes every row walk its length."""
+    that hold live keys are numbered row by row, and each loop iteration takes the next
+    ``PAIRS_PER_ROW * n`` of them, whichever rows they belong to. A row's chunks taken in one
+    iteration are merged into its online-softmax state together (a max and two sums over the
+    iteration's pairs), so the trip count is ceil(live chunks of all rows / (PAIRS_PER_ROW *
+    n)): one long row among short ones no longer makes every row walk its length."""
     k_pages, v_pages, k_scales, v_scales = pool
     n, _, h, d = q.shape
-    _, page_size, kvh, _ = k_pages.shape
+    kvh = k_pages.shape[2]
     g = h // kvh
     scale = d**-0.5 if scale is None else scale
-    mp = block_tables.shape[1]
-    cp = max(1, min(chunk_tokens // page_size, mp))  # pages per chunk
-    chunks_static = -(-mp // cp)
-    tables = jnp.pad(block_tables, ((0, 0), (0, chunks_static * cp - mp)))  # [N, chunks*CP]
-    chunk_len = cp * page_size
+    tables, cp, chunks_static, chunk_len = _chunks(block_tables, k_pages.shape[1], chunk_tokens)
 
     last = q_positions[:, 0]  # [N] the row's position (-1: padding, no keys)
     end = jnp.clip((last + chunk_len) // chunk_len, 0, chunks_static)  # chunks up to the row's key
