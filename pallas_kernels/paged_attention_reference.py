@@ -35,11 +35,14 @@ _NEG = -1e30  # finite "minus infinity": keeps exp() and max() NaN-free on fully
 
 
 def key_mask(
-    q_positions: Int[Array, "n bq"], key_positions: Int[Array, " c"], sliding_window: int | None
+    q_positions: Int[Array, "n bq"],
+    key_positions: Int[Array, " c"] | Int[Array, "n c"],
+    sliding_window: int | None,
 ) -> Array:
-    """[N, Bq, C] boolean: which keys each query row may attend to."""
+    """[N, Bq, C] boolean: which keys each query row may attend to. ``key_positions``: the
+    same keys for every block, or each block's own ([N, C])."""
     qp = q_positions[:, :, None]  # [N, Bq, 1]
-    kp = key_positions[None, None, :]  # [1, 1, C]
+    kp = key_positions[None, None, :] if key_positions.ndim == 1 else key_positions[:, None, :]
     mask = (kp <= qp) & (qp >= 0)
     if sliding_window is not None:
         mask &= kp > qp - sliding_window

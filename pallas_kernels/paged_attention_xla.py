@@ -156,10 +156,7 @@ def _attend_rows(q, pool, block_tables, q_positions, sliding_window, scale, soft
         k = gather_kv(k_pages, k_scales, pages, q.dtype).astype(jnp.float32)  # [B, CL, KVH, D]
         v = gather_kv(v_pages, v_scales, pages, q.dtype)
         kpos = j[:, None] * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)  # [B, CL]
-        qpos = last[r][:, None]
-        live = valid[:, None] & (kpos <= qpos)
-        if sliding_window is not None:
-            live &= kpos > qpos - sliding_window
+        live = valid[:, None] & key_mask(q_positions[r], kpos, sliding_window)[:, 0]  # [B, CL]
         # Masked scores are replaced by ``where``; V is zeroed there (0 x NaN garbage = NaN).
         v = jnp.where(live[:, :, None, None], v, 0).astype(jnp.float32)
         s = jnp.einsum("bkgd,bckd->bkgc", qg[r], k)  # [B, KVH, G, CL]
