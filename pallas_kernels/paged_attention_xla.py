@@ -11,9 +11,9 @@ iteration takes the next ``2 n`` (row, chunk) pairs that hold live keys, whichev
 belong to, and merges each row's pairs into its online softmax. The trip count is the live
 chunks of *all* rows over ``2 n``, so one long request no longer makes every decode row walk
 its length, with no ``lax.cond`` (whose two branches every decode bucket compiled). Measured
-(CPU, 6/2 heads, head dim 32, median of 200): 8 rows, one at 2 000 keys and seven at 60,
-1.2-1.4 ms -> 0.41-0.47 ms; one at 500 and seven at 40, 0.43 -> 0.14-0.24 ms; 32 rows of
-mixed lengths 0.77-0.87x; rows of equal length 1.1-1.2x (the pairs' bookkeeping).
+(CPU, 6/2 heads, head dim 32, median of 200, two runs): 8 rows, one at 2 000 keys and seven
+at 60, 0.30-0.32x the time; one at 500 and seven at 40, 0.35-0.44x; 32 rows of mixed lengths
+0.70-0.77x; rows of equal length 1.0-1.23x (the pairs' bookkeeping).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from jaxtyping import Array, Float, Int, Shaped
 from pallas_kernels.paged_attention_reference import _NEG, gather_kv, key_mask
 
 # Decode rows: (row, chunk) pairs per loop iteration, per row of the call. 2 (measured, CPU,
-# decode rows of 8-32 rows): one long row among short ones 0.32-0.35x the time of walking
-# every row to the longest, equal lengths 1.1-1.2x (the pairs' bookkeeping); 1 and 4 worse.
+# decode rows of 8-32 rows): one long row among short ones 0.30-0.44x the time of walking
+# every row to the longest, equal lengths 1.0-1.23x (the pairs' bookkeeping); 1 and 4 worse.
 PAIRS_PER_ROW = 2
 
 
