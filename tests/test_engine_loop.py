@@ -57,6 +57,11 @@ def test_one_dispatch_per_step_and_per_swap():
     run_all(eng)
     stats = eng.stats()
     assert stats.steps > 7 and stats.dispatches == stats.steps and stats.swap_outs == 0
+    # The launching calls' host time is counted, as part of the host time.
+    assert 0 < stats.dispatch_seconds <= stats.host_only_seconds
+    # Step inputs are recycled once their step is fetched: a few per bucket, not one per step.
+    made = sum(len(v) for v in eng.core._spare.values())
+    assert 0 < made < stats.steps
 
     # A pool too small for everyone, swap preemption: each swap is one more dispatch.
     eng = mock_engine(max_slots=3, num_pages=16, max_num_batched_tokens=8,

@@ -266,16 +266,16 @@ class LLMEngine:
             if sched.drafts is not None:  # a speculative step (engine/spec_step.py)
                 inp = batch_builder.build_spec_input(self.cfg, core, sched)
                 before_step()
-                self.state, handle = core.step(self.params, self.state, inp, self._bitmask(sched))
+                handle = self._launch(core.step, self.params, self.state, inp, self._bitmask(sched))
             elif split:  # the forward runs while the previous tokens reach the grammars
                 inp = batch_builder.build_step_input(self.cfg, core, sched)
-                self.state, forwarded = core.forward(self.params, self.state, inp)
+                forwarded = self._launch(core.forward, self.params, self.state, inp)
                 before_step()
-                self.state, handle = core.sample(self.state, forwarded, self._bitmask(sched))
+                handle = self._launch(core.sample, self.state, forwarded, self._bitmask(sched))
             else:
                 inp = batch_builder.build_step_input(self.cfg, core, sched)
                 before_step()
-                self.state, handle = core.step(self.params, self.state, inp, self._bitmask(sched))
+                handle = self._launch(core.step, self.params, self.state, inp, self._bitmask(sched))
             sched.dispatched_at = time.perf_counter()
             self._inflight.append((sched, handle))
             counters["dispatches"] += 1
@@ -296,6 +296,14 @@ class LLMEngine:
             counters["busy_slots_while_queued"] += len(self.scheduler.running)
         counters["prompt_tokens"] += sum(len(c.token_ids) for c in sched.chunks)
         return True
+
+    def _launch(self, call, *args):
+        """``self.state, out = call(*args)`` (a core call that launches device work); its host
+        time is counted as ``dispatch_seconds``. Returns ``out``."""
+        t0 = time.perf_counter()
+        self.state, out = call(*args)
+        self.counters["dispatch_seconds"] += time.perf_counter() - t0
+        return out
 
     def _bitmask(self, sched: SchedulerOutput) -> np.ndarray | None:
         """The step's token bitmask, None when no constrained request samples in it."""
@@ -349,6 +357,7 @@ class LLMEngine:
             host_seconds=c["host_seconds"],
             device_wait_seconds=c["device_wait_seconds"],
             bitmask_seconds=c["bitmask_seconds"],
+            dispatch_seconds=c["dispatch_seconds"],
             tenants=sched.ledger.snapshot(s.tenant for s in sched.running.values()),
         )
 

@@ -69,16 +69,26 @@ class MockCore:
     def __init__(self, cfg: EngineConfig, vocab: int):
         self.cfg, self.vocab = cfg, vocab
         self.layouts = all_layouts(cfg)
+        self._spare: dict[tuple, list[StepInput]] = {}  # inputs of fetched steps, per layout
 
     def new_input(self, rows: int, decode_rows: int) -> StepInput:
-        return self.layouts[(rows, decode_rows)].new()
+        # Recycled like EngineCore's: an input goes back once its step's result is fetched.
+        layout = self.layouts[(rows, decode_rows)]
+        spare = self._spare.get(layout.key)
+        return layout.reuse(spare.pop()) if spare else layout.new()
 
     def step(self, params, st: MockState, inp: StepInput, bitmask=None):
         release, ins, batch = inp.structured()
         st = self.insert(self.release(st, release), ins)
-        return self._step(st, batch, bitmask)
+        st, out = self._step(st, batch, bitmask)
+        out.input = inp
+        return st, out
 
     def fetch(self, out) -> StepResult:
+        inp = getattr(out, "input", None)
+        if inp is not None:
+            self._spare.setdefault(inp.layout.key, []).append(inp)
+            out.input = None
         return StepResult(out.tokens, out.sampled, out.logprobs)
 
     def init_state(self) -> MockState:
