@@ -6,9 +6,9 @@ Three measurements (prints a table, writes OUT.json):
 1. **Demo model, ``--slots`` slots**, a long-tail workload through ``LLMEngine.step()``: wall time
    per step, host time per step (``step()`` wall time minus the time it blocked on device
    results, ``EngineStats.host_only_seconds``) and its share of the step, of it the time inside
-   the jitted calls that launch steps (``EngineStats.dispatch_seconds``: JAX/XLA's handling of
-   each argument and result array), jitted dispatches per step (``EngineStats.dispatches``; 1 =
-   the one step program, swaps add their own).
+   the jitted calls that launch steps (``EngineStats.dispatch_seconds``: JAX/XLA preparing each
+   execution), jitted dispatches per step (``EngineStats.dispatches``; 1 = the one step
+   program, swaps add their own).
 2. **Continuous vs static batching** on a random 2-layer, 64-wide Llama (vocab 384): 256
    requests through 8 slots, 10% with 256-512 output tokens, the rest 4-32
    (``bench_batching.py``'s workload and runner), against the step-count ceiling.

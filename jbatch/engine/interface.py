@@ -46,8 +46,8 @@ class EngineStats:
     device_wait_seconds: float  # time ``step()`` blocked on device results
     constrained_steps: int  # steps that read the previous step first (structured output)
     bitmask_seconds: float  # host time filling token bitmasks (structured output)
-    # Host time inside the jitted calls that launch steps: JAX/XLA handling each argument and
-    # result array (on XLA:CPU a few microseconds per state leaf); part of ``host_only_seconds``.
+    # Host time inside the jitted calls that launch steps (JAX/XLA preparing each execution:
+    # its arguments, results and buffers); part of ``host_only_seconds``.
     dispatch_seconds: float = 0.0
     # Speculative decoding: speculative steps, requests that had proposals in them (summed
     # over steps), tokens proposed, proposals accepted.
