@@ -30,7 +30,13 @@ from jbatch.engine.logprobs import HostTopLogprobs
 from jbatch.engine.precompile import prepare
 from jbatch.engine.spec_step import unpack_spec
 from jbatch.engine.state import EngineState
-from jbatch.engine.step_input import StepInput, StepInputLayout, all_layouts, spec_layouts
+from jbatch.engine.step_input import (
+    SpareInputs,
+    StepInput,
+    StepInputLayout,
+    all_layouts,
+    spec_layouts,
+)
 from jbatch.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -73,7 +79,7 @@ class EngineCore:
         # Step inputs in flight (dispatch index, input) and spare ones per bucket pair; a step
         # with a dispatch index below ``_fetched`` has finished.
         self._used_inputs: collections.deque[tuple[int, StepInput]] = collections.deque()
-        self._spare_inputs: dict[tuple, list[StepInput]] = {}
+        self._spare_inputs = SpareInputs()
         self._dispatched = self._fetched = 0
         self.programs_run: collections.Counter = collections.Counter()  # steps per bucket pair
         # Step programs warm-up compiled or loaded (``precompile.prepare``), dispatched as they
@@ -114,10 +120,8 @@ class EngineCore:
 
     def _input(self, layout: StepInputLayout) -> StepInput:
         while self._used_inputs and self._used_inputs[0][0] < self._fetched:
-            _, used = self._used_inputs.popleft()
-            self._spare_inputs.setdefault(_key_of(used), []).append(used)
-        free = self._spare_inputs.get(layout.key)
-        return layout.reuse(free.pop()) if free else layout.new()
+            self._spare_inputs.put(self._used_inputs.popleft()[1])
+        return self._spare_inputs.take(layout)
 
     def step(
         self,

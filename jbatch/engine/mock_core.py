@@ -18,7 +18,7 @@ import numpy as np
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.engine_core import StepResult
 from jbatch.engine.state import decodes
-from jbatch.engine.step_input import StepInput, all_layouts
+from jbatch.engine.step_input import SpareInputs, StepInput, all_layouts
 from jbatch.sampling_params import is_greedy
 
 
@@ -69,13 +69,11 @@ class MockCore:
     def __init__(self, cfg: EngineConfig, vocab: int):
         self.cfg, self.vocab = cfg, vocab
         self.layouts = all_layouts(cfg)
-        self._spare: dict[tuple, list[StepInput]] = {}  # inputs of fetched steps, per layout
+        self._spare = SpareInputs()  # inputs of fetched steps
 
     def new_input(self, rows: int, decode_rows: int) -> StepInput:
         # Recycled like EngineCore's: an input goes back once its step's result is fetched.
-        layout = self.layouts[(rows, decode_rows)]
-        spare = self._spare.get(layout.key)
-        return layout.reuse(spare.pop()) if spare else layout.new()
+        return self._spare.take(self.layouts[(rows, decode_rows)])
 
     def step(self, params, st: MockState, inp: StepInput, bitmask=None):
         release, ins, batch = inp.structured()
@@ -87,7 +85,7 @@ class MockCore:
     def fetch(self, out) -> StepResult:
         inp = getattr(out, "input", None)
         if inp is not None:
-            self._spare.setdefault(inp.layout.key, []).append(inp)
+            self._spare.put(inp)
             out.input = None
         return StepResult(out.tokens, out.sampled, out.logprobs)
 

@@ -142,6 +142,25 @@ class StepInputLayout:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
+class SpareInputs:
+    """Step inputs whose step has finished, per layout, handed out again (reset to the
+    defaults) instead of fresh ones. Only an input no step can still read may be put here."""
+
+    def __init__(self):
+        self._spare: dict[tuple, list[StepInput]] = {}
+
+    def put(self, inp: StepInput) -> None:
+        self._spare.setdefault(inp.layout.key, []).append(inp)
+
+    def take(self, layout: StepInputLayout) -> StepInput:
+        """A spare input of ``layout``, reset, else a fresh one."""
+        free = self._spare.get(layout.key)
+        return layout.reuse(free.pop()) if free else layout.new()
+
+    def __len__(self) -> int:
+        return sum(map(len, self._spare.values()))
+
+
 def all_layouts(cfg: EngineConfig) -> dict[tuple[int, int], StepInputLayout]:
     """A layout for every (prefill rows, decode rows) bucket pair the engine compiles."""
     return {
