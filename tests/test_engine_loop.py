@@ -227,3 +227,44 @@ def test_dead_consumer_aborts_its_request():
         assert stats.running == 0 and stats.pages_used == 0
     finally:
         thread.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_slot_is_reused_the_step_after_its_last_token_is_dispatched(async_scheduling):
+    """Retirement: a long request keeps one slot decoding while short ones pass through the
+    other back to back. Each is admitted in the step after the one that samples its
+    predecessor's last token (no idle slot while that token is in flight), the pages stay
+    referenced until the token is read, and every output is still exact."""
+    eng = mock_engine(max_slots=2, async_scheduling=async_scheduling, debug_checks=True)
+    lens = [40, 3, 1, 5, 2, 4]
+    prompts = [[7 + i, 8 + i, 9] for i in range(len(lens))]
+    ids = [eng.add_request(p, greedy(n)) for p, n in zip(prompts, lens)]
+    tokens = run_all(eng)
+    for rid, p, n in zip(ids, prompts, lens):
+        assert tokens[rid] == expected_tokens(p, n, 0, False, VOCAB)
+    # A 3-token prompt fits one chunk, which samples the first token: a request of n tokens
+    # takes n steps, and the next one starts right after.
+    starts = [eng.requests[rid].first_scheduled_step for rid in ids[1:]]
+    assert starts == [starts[0] + sum(lens[1:i]) for i in range(1, len(lens))]
+    sched = eng.scheduler
+    assert not sched.retiring and sched.allocator.num_used == 0
+    sched.check_invariants()
+
+
+def test_aborting_a_retiring_request_frees_its_pages():
+    eng = mock_engine(max_slots=1, debug_checks=True)
+    first = eng.add_request([5, 6, 7], greedy(2))
+    second = eng.add_request([8, 9, 10], greedy(3))
+    eng.step()  # first: prefill + token 1
+    eng.step()  # first: token 2 (its last) in flight
+    eng.step()  # second admitted into first's slot; first retiring, its pages held
+    sched = eng.scheduler
+    assert eng.requests[second].slot == 0
+    retiring = list(sched.retiring.values())
+    assert [s.request_id for s in retiring] in ([first], [])  # [] if its token was read
+    eng.abort_request(first)
+    assert not sched.retiring
+    sched.check_invariants()
+    tokens = run_all(eng)
+    assert tokens[second] == expected_tokens([8, 9, 10], 3, 0, False, VOCAB)
+    assert sched.allocator.num_used == 0

@@ -20,6 +20,9 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     HANDED_OVER = "handed_over"  # prefill role: swapped out for a decode engine (handover.py)
+    # Its last token is in a dispatched step: the slot went to the next step's admissions, the
+    # pages stay until the token is read (scheduler.py, "Retirement").
+    RETIRING = "retiring"
     FINISHED = "finished"
 
 

@@ -16,6 +16,13 @@ Per step, in this order:
    has computed (``parent_request.py``); the rest is prefilled in chunks, so a long prompt never
    blocks decodes.
 
+**Retirement**: a sequence whose last token (``max_tokens``, which fits ``max_seq_len``) is in a
+dispatched step can never be scheduled again, so the next ``schedule`` gives its slot to that
+step's admissions (the step program retires the slot before it inserts: the new sequence starts
+one step earlier than if the slot waited for the token to be read). Its pages stay until the token
+is read — the last K/V is written by the step in flight, and only then can its pages be named in
+the prefix cache — and ``finish`` frees them. A stop token read earlier just finishes it sooner.
+
 The admission and eviction orders above are the ``priority`` policy; ``policies.py`` holds the
 others (``fcfs``, ``fair``). Whatever the policy, each tenant's service is charged to a
 ``TenantLedger`` as it is scheduled (prompt tokens per chunk, one output token per sample).
@@ -47,6 +54,8 @@ class Scheduler:
         self.running: dict[int, Request] = {}  # slot -> sequence
         self.free_slots: list[int] = list(range(cfg.max_slots))
         self.pending_releases: list[int] = []  # slots of finished sequences, to retire on device
+        self._last_samples: list[Request] = []  # scheduled their last token this step
+        self.retiring: dict[int, Request] = {}  # id -> sequence: last token in flight, no slot
         self.num_preemptions = 0
         self.num_steps = 0  # schedule() calls: the clock for aging and waits
         self._admissions = 0
@@ -63,6 +72,9 @@ class Scheduler:
         the next step)."""
         if seq.status is RequestStatus.RUNNING:
             self._free_slot(seq)
+        elif seq.status is RequestStatus.RETIRING:
+            del self.retiring[id(seq)]
+            self._free_pages(seq)
         elif seq.status is RequestStatus.WAITING:
             self.waiting.remove(seq)
             seq.swapped = None
@@ -70,13 +82,37 @@ class Scheduler:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
     def _free_slot(self, seq: Request) -> None:
+        self._free_pages(seq)
+        self._release_slot(seq)
+
+    def _free_pages(self, seq: Request) -> None:
         self._cache_generated_pages(seq)
         self.allocator.free(seq.pages)
         seq.pages, seq.spec_pending = [], 0
+
+    def _release_slot(self, seq: Request) -> None:
         del self.running[seq.slot]
         self.free_slots.append(seq.slot)
         self.pending_releases.append(seq.slot)
         seq.slot = None
+
+    def _sampled(self, seq: Request) -> None:
+        """Count one scheduled sample of ``seq``; note it when it was the last one."""
+        seq.num_sampled += 1
+        seq.inflight += 1
+        if seq.num_sampled >= seq.max_tokens and self.cfg.role != "prefill":
+            self._last_samples.append(seq)
+
+    def _retire(self) -> None:
+        """Retirement (module doc): the slots of sequences whose last token was scheduled in
+        the previous step (that step's batch is built, so their slot numbers are no longer
+        read) go back to the free list."""
+        for seq in self._last_samples:
+            if seq.status is RequestStatus.RUNNING and seq.num_sampled >= seq.max_tokens:
+                self._release_slot(seq)
+                seq.status = RequestStatus.RETIRING
+                self.retiring[id(seq)] = seq
+        self._last_samples = []
 
     def _swap_instead(self, seq: Request) -> bool:
         mode = self.cfg.preemption_mode
@@ -102,7 +138,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.retiring)
 
     # ---- pages ---------------------------------------------------------------------------------
     def _grow(self, seq: Request, upto: int, out: SchedulerOutput) -> bool:
@@ -163,11 +199,16 @@ class Scheduler:
         """Plan one step. ``propose(seq, cap) -> Proposal | None``: plan a speculative step
         instead — decodes only, each with its proposal (pages for all of it, or none)."""
         self.num_steps += 1
+        self._retire()
         out = SchedulerOutput()
-        self.victim_order.begin_step(list(self.running.values()))
+        running = list(self.running.values())
+        self.victim_order.begin_step(running)
+        # Scheduling order: the reverse of eviction. The keys are fixed for the step, so one
+        # sort serves decodes and prompt chunks (the preempted are skipped by status).
+        order = sorted(running, key=self._victim_key)
         if propose is not None:
             out.drafts = []
-            self._schedule_decodes(out, propose)
+            self._schedule_decodes(out, order, propose)
             if all(p is None for p in out.drafts):
                 out.drafts = None  # nothing to verify: an ordinary decode step
             out.releases, self.pending_releases = self.pending_releases, []
@@ -175,11 +216,12 @@ class Scheduler:
         if self.cfg.role == "prefill":
             self._schedule_handovers(out)
         else:
-            self._schedule_decodes(out)
+            self._schedule_decodes(out, order)
         budget = self.cfg.max_num_batched_tokens - len(out.decodes)
         rows = buckets.prefill_buckets(self.cfg)[-1]
-        for seq in sorted(self.running.values(), key=self._victim_key):
-            if seq.prefilling and budget > 0 and rows >= self.cfg.block_q:
+        for seq in order:
+            running_prompt = seq.status is RequestStatus.RUNNING and seq.prefilling
+            if running_prompt and budget > 0 and rows >= self.cfg.block_q:
                 paced, cap = self._pacing(seq, out)
                 if cap != 0:
                     budget, rows = self._schedule_chunk(seq, budget, rows, out, cap, paced)
@@ -195,8 +237,9 @@ class Scheduler:
         self.victim_order.begin_step(list(self.running.values()))
         self._preempt(self._victim())
 
-    def _schedule_decodes(self, out: SchedulerOutput, propose=None) -> None:
-        for seq in sorted(self.running.values(), key=self._victim_key):
+    def _schedule_decodes(self, out: SchedulerOutput, order: list[Request], propose=None) -> None:
+        tenants: dict[str, int] = {}  # output tokens per tenant, charged once per tenant
+        for seq in order:
             if seq.status is not RequestStatus.RUNNING or not seq.can_decode:
                 continue
             drafts = self._proposal(seq, propose, out) if propose is not None else None
@@ -211,9 +254,10 @@ class Scheduler:
                     out.drafts.append(drafts)
                 out.samplers.append((seq, seq.slot))
                 seq.num_computed += 1
-                seq.num_sampled += 1
-                seq.inflight += 1
-                self.ledger.charge(seq.tenant, output=1)
+                self._sampled(seq)
+                tenants[seq.tenant] = tenants.get(seq.tenant, 0) + 1
+        for tenant, n in tenants.items():
+            self.ledger.charge(tenant, output=n)
 
     def _schedule_handovers(self, out: SchedulerOutput) -> None:
         """Prefill role: a request whose last prompt chunk went out in an earlier step (its
@@ -307,8 +351,7 @@ class Scheduler:
         self._register_full_pages(seq, seq.num_computed)
         if chunk.completes_prompt:
             out.samplers.append((seq, seq.slot))
-            seq.num_sampled += 1
-            seq.inflight += 1
+            self._sampled(seq)
         used = -(-n // bq) * bq
         out.prompt_rows += used
         return budget - n, rows - used
@@ -381,7 +424,9 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Pages and slots are each in exactly one place; refcounts match the page tables;
         a page shared by two sequences is a full cached prefix page (debug aid, used by tests)."""
-        self.allocator.check([s.pages for s in self.running.values()])
+        holders = [*self.running.values(), *self.retiring.values()]
+        self.allocator.check([s.pages for s in holders])
+        assert all(s.status is RequestStatus.RETIRING for s in self.retiring.values())
         for seq in self.running.values():
             assert len(set(seq.pages)) == len(seq.pages), "a page twice in one page table"
             assert len(seq.pages) <= self.cfg.max_pages_per_seq, "pages past the page table"
