@@ -131,7 +131,7 @@ class EngineThread(SnapshotStreams):
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._outstanding = 0  # accepted and not yet retired (guarded by _lock)
-        self._running = 0  # requests in slots, published by the engine thread after each step
+        self._running = 0  # requests served (in slots or retiring), published after each step
         self._draining = False
         self._ids = itertools.count()
         self._id_prefix = f"srv-{secrets.token_hex(3)}-"  # unique per boot: restored ids stay
@@ -437,7 +437,7 @@ class EngineThread(SnapshotStreams):
     def _publish(self) -> None:
         stats = self.engine.stats()
         with self._lock:
-            self._running = stats.running
+            self._running = stats.running + stats.retiring  # served, not waiting for a slot
             waiting = self._outstanding - self._running
         self.metrics.observe_engine(stats, waiting)
 

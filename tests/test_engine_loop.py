@@ -262,6 +262,7 @@ def test_aborting_a_retiring_request_frees_its_pages():
     assert eng.requests[second].slot == 0
     retiring = list(sched.retiring.values())
     assert [s.request_id for s in retiring] in ([first], [])  # [] if its token was read
+    assert eng.stats().retiring == len(retiring) and eng.stats().running == 1
     eng.abort_request(first)
     assert not sched.retiring
     sched.check_invariants()

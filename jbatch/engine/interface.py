@@ -49,6 +49,10 @@ class EngineStats:
     # Host time inside the jitted calls that launch steps (JAX/XLA preparing each execution:
     # its arguments, results and buffers); part of ``host_only_seconds``.
     dispatch_seconds: float = 0.0
+    # Requests whose last token is in a dispatched step: their slot went to the next step's
+    # admissions, their output is not read yet (scheduler.py, "Retirement"). Not in ``running``
+    # or ``waiting``; a front end counting its own queue adds them to ``running``.
+    retiring: int = 0
     # Speculative decoding: speculative steps, requests that had proposals in them (summed
     # over steps), tokens proposed, proposals accepted.
     spec_steps: int = 0

@@ -358,6 +358,7 @@ class LLMEngine:
             device_wait_seconds=c["device_wait_seconds"],
             bitmask_seconds=c["bitmask_seconds"],
             dispatch_seconds=c["dispatch_seconds"],
+            retiring=len(sched.retiring),
             tenants=sched.ledger.snapshot(s.tenant for s in sched.running.values()),
         )
 
