@@ -12,6 +12,11 @@ executable store in its ``jbatch-executables`` subdirectory
   names a directory.
 * ``JBATCH_COMPILATION_CACHE`` (a directory, or ``off``) overrides serve's default too; the test
   suite sets it to ``off`` so CI never writes into a home directory.
+* Size: JAX's cache and the executable store each keep at most ``DEFAULT_MAX_BYTES`` (2 GiB),
+  evicting the least recently used entries: each jbatch or jax upgrade, config or bucket change
+  adds programs, and a server that runs for months must not fill its disk. JAX's own setting
+  decides instead when it is given (``JAX_COMPILATION_CACHE_MAX_SIZE`` in bytes, ``-1``: no
+  limit, or ``jax_compilation_cache_max_size`` set before ``enable``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import jax
 
 ENV = "JBATCH_COMPILATION_CACHE"
 OFF = ("off", "none", "0", "")
+DEFAULT_MAX_BYTES = 2 << 30  # each of JAX's cache and the executable store
+_JAX_MAX_SIZE_ENV = "JAX_COMPILATION_CACHE_MAX_SIZE"  # JAX's own, read into its config
 
 
 def default_dir() -> Path:
@@ -39,6 +46,9 @@ def enable(directory: str | Path | None) -> Path | None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # skip tiny programs
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    unset = jax.config.jax_compilation_cache_max_size == -1 and _JAX_MAX_SIZE_ENV not in os.environ
+    if unset:  # bounded unless JAX was told otherwise (module doc, "Size")
+        jax.config.update("jax_compilation_cache_max_size", DEFAULT_MAX_BYTES)
     return path
 
 

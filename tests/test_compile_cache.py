@@ -10,7 +10,10 @@ from jbatch import compile_cache
 
 @pytest.fixture
 def restore_jax_cache_config():
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    names = (
+        "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size",
+    )  # fmt: skip
     old = {n: getattr(jax.config, n) for n in names}
     yield
     for n, v in old.items():
@@ -36,3 +39,19 @@ def test_env_and_serve_default(monkeypatch, tmp_path, restore_jax_cache_config):
     assert compile_cache.from_env(compile_cache.default_dir()) == tmp_path / "moved"
     monkeypatch.setenv(compile_cache.ENV, "off")
     assert compile_cache.from_env(compile_cache.default_dir()) is None
+
+
+def test_the_cache_is_bounded_unless_jax_was_told(monkeypatch, tmp_path, restore_jax_cache_config):
+    """``enable`` caps JAX's cache (and so the executable store) at DEFAULT_MAX_BYTES; a size
+    JAX was given, by its config or its environment variable (-1 too), is left alone."""
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
+    jax.config.update("jax_compilation_cache_max_size", -1)
+    compile_cache.enable(tmp_path / "a")
+    assert jax.config.jax_compilation_cache_max_size == compile_cache.DEFAULT_MAX_BYTES
+    jax.config.update("jax_compilation_cache_max_size", 12345)
+    compile_cache.enable(tmp_path / "b")
+    assert jax.config.jax_compilation_cache_max_size == 12345
+    jax.config.update("jax_compilation_cache_max_size", -1)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")  # "no limit", said explicitly
+    compile_cache.enable(tmp_path / "c")
+    assert jax.config.jax_compilation_cache_max_size == -1

@@ -152,3 +152,49 @@ def test_the_store_follows_jaxs_cache_dir_only_when_it_is_local(tmp_path):
                 assert store.directory == tmp_path / executable_store.SUBDIR
     finally:
         jax.config.update("jax_compilation_cache_dir", old)
+
+
+def _tiny_program() -> jax.stages.Compiled:
+    return jax.jit(lambda x: x * 2 + 1).lower(jnp.ones(4, jnp.float32)).compile()
+
+
+def test_the_least_recently_used_programs_go_when_the_store_is_full(tmp_path):
+    """Bounded like JAX's cache: a save evicts the oldest-used files until the directory fits
+    (never the one saved), a load counts as a use, and a program over the whole budget is not
+    stored."""
+    import os
+
+    program = _tiny_program()
+    store = ExecutableStore(tmp_path)
+    assert store.save("used", program)
+    size = store._path("used").stat().st_size
+    for i in range(3):  # older files than "used", except one loaded later
+        (tmp_path / f"old{i}{executable_store.SUFFIX}").write_bytes(b"x" * size)
+        os.utime(tmp_path / f"old{i}{executable_store.SUFFIX}", (1000 + i, 1000 + i))
+    os.utime(store._path("used"), (999, 999))  # the oldest of all, until it is loaded
+    bounded = ExecutableStore(tmp_path, max_bytes=3 * size)
+    assert bounded.load("used", jax.devices()[:1]) is not None  # touched: now the newest
+    assert bounded.save("new", program)
+    left = sorted(p.stem for p in tmp_path.glob(f"*{executable_store.SUFFIX}"))
+    assert left == ["new", "old2", "used"]  # old0 and old1 (least recently used) went
+    assert np.array_equal(bounded.load("new", jax.devices()[:1])(jnp.ones(4)), np.full(4, 3.0))
+    tiny = ExecutableStore(tmp_path / "tiny", max_bytes=size // 2)
+    assert not tiny.save("big", program)
+    assert not list((tmp_path / "tiny").glob("*"))
+    with pytest.raises(ValueError, match="max_bytes"):
+        ExecutableStore(tmp_path, max_bytes=0)
+
+
+def test_the_store_takes_jaxs_cache_size_limit(tmp_path):
+    old = {n: getattr(jax.config, n) for n in ("jax_compilation_cache_dir",
+                                               "jax_compilation_cache_max_size")}  # fmt: skip
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+        for limit, expected in ((-1, None), (5 << 20, 5 << 20)):
+            jax.config.update("jax_compilation_cache_max_size", limit)
+            assert FROM_CACHE().max_bytes == expected
+        jax.config.update("jax_compilation_cache_max_size", 0)  # JAX's "caching off"
+        assert FROM_CACHE() is None
+    finally:
+        for n, v in old.items():
+            jax.config.update(n, v)

@@ -21,13 +21,17 @@ A program's key is a SHA-256 over everything that can change what tracing would 
 It lives in ``<compilation cache dir>/jbatch-executables`` and is on exactly when the
 compilation cache is (one switch), unless that is a URL (``gs://``) or no sources are found.
 A file that fails to load is deleted and counts as a miss; a store that cannot be read or
-written (permissions, a full disk) only logs. Nothing is evicted: each new source version or
-config adds its programs (a few MB each; delete the directory to reclaim it).
+written (permissions, a full disk) only logs. Each new source version or config adds its
+programs (a few MB each), so the store is bounded like JAX's own cache and by the same figure,
+``jax_compilation_cache_max_size`` (:mod:`jbatch.compile_cache` sets it): after a save, the
+least recently used files (a load touches its file) go until the directory fits; a program
+larger than the whole budget is not stored, as JAX does; -1: no limit.
 Like JAX's own cache, loading runs code from that directory: it must be trusted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import logging
@@ -45,6 +49,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when what a file holds changes
 SUBDIR = "jbatch-executables"
+SUFFIX = ".jaxexe"  # one stored program
 _PACKAGES = ("jbatch", "pallas_kernels")
 # jax config values left out of the key: where caches live and what is logged (the rest, any
 # flag that may change tracing, lowering or compiling, is in it).
@@ -148,20 +153,27 @@ def digest(*parts) -> str:
 class ExecutableStore:
     """Serialized compiled programs in one directory, one file per key."""
 
-    def __init__(self, directory: str | Path):
-        self.directory = Path(directory)
+    def __init__(self, directory: str | Path, max_bytes: int | None = None):
+        """``max_bytes``: the most the directory's programs may take (None: no limit)."""
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive (None: no limit), got {max_bytes}")
+        self.directory, self.max_bytes = Path(directory), max_bytes
 
     @classmethod
     def from_compilation_cache(cls) -> ExecutableStore | None:
-        """The store beside JAX's persistent compilation cache; None while that is off or
-        is not a local directory (JAX also takes e.g. ``gs://`` URLs; the store does not)."""
-        cache = jax.config.jax_compilation_cache_dir
-        if not cache or "://" in str(cache) or source_fingerprint() is None:
+        """The store beside JAX's persistent compilation cache, with its size limit; None while
+        that is off (a size of 0 turns JAX's off too) or is not a local directory (JAX also
+        takes e.g. ``gs://`` URLs; the store does not)."""
+        cache, limit = (
+            jax.config.jax_compilation_cache_dir,
+            jax.config.jax_compilation_cache_max_size,
+        )
+        if not cache or "://" in str(cache) or source_fingerprint() is None or limit == 0:
             return None
-        return cls(Path(cache) / SUBDIR)
+        return cls(Path(cache) / SUBDIR, None if limit < 0 else limit)
 
     def _path(self, key: str) -> Path:
-        return self.directory / f"{key}.jaxexe"
+        return self.directory / f"{key}{SUFFIX}"
 
     def load(self, key: str, devices: list) -> jax.stages.Compiled | None:
         """The program stored under ``key``, loaded onto ``devices`` (the ones it runs on, in
@@ -176,13 +188,18 @@ class ExecutableStore:
             return None
         try:
             serialized, in_tree, out_tree = pickle.loads(blob)
-            return serialize_executable.deserialize_and_load(
+            compiled = serialize_executable.deserialize_and_load(
                 serialized, in_tree, out_tree, execution_devices=devices
             )
         except Exception as e:  # a torn or foreign file: drop it, compile afresh
             log.warning("dropping unreadable stored executable %s: %s", path, e)
             path.unlink(missing_ok=True)
             return None
+        # Used now: the last to be evicted. Gone meanwhile (another engine evicted it) or a
+        # read-only store: the program is loaded either way.
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        return compiled
 
     def drop(self, key: str) -> None:
         """Forget the program stored under ``key`` (it loaded but did not run)."""
@@ -200,6 +217,12 @@ class ExecutableStore:
         except Exception as e:
             log.warning("not storing an executable that cannot be serialized: %s", e)
             return False
+        if self.max_bytes is not None and len(blob) > self.max_bytes:
+            log.warning(
+                "not storing a %d-byte executable: over the store's limit of %d bytes "
+                "(jax_compilation_cache_max_size)", len(blob), self.max_bytes,
+            )  # fmt: skip
+            return False
         tmp = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -212,4 +235,36 @@ class ExecutableStore:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
             return False
+        self.evict(keep=self._path(key))
         return True
+
+    def evict(self, keep: Path | None = None) -> list[Path]:
+        """Delete the least recently used programs until the directory fits ``max_bytes``
+        (never ``keep``, the one just stored); returns those deleted. Another engine may be
+        evicting too: a file already gone is skipped (its reader sees a miss)."""
+        if self.max_bytes is None:
+            return []
+        files = []
+        for path in self.directory.glob(f"*{SUFFIX}"):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            files.append((st.st_mtime, path, st.st_size))
+        total = sum(size for _, _, size in files)
+        deleted = []
+        for _, path, size in sorted(files, key=lambda f: f[:2]):  # oldest use first
+            if total <= self.max_bytes:
+                break
+            if path == keep:
+                continue
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("cannot evict stored executable %s: %s", path, e)
+                continue
+            total -= size
+            deleted.append(path)
+        return deleted
