@@ -15,15 +15,19 @@ from tests.compile_counter import count_compiles
 
 def _simulate(share: float, per_pair: float, prompt: int, budget: int = 248, base: float = 1.0):
     """A device where an ordinary step takes ``base`` and a chunk adds ``per_pair`` per
-    query-key pair (+-20% noise), 8 requests decoding throughout."""
+    query-key pair (+-20% noise), 8 requests decoding throughout. The first ``budget`` tokens
+    go at once (measured and owed), as the scheduler does."""
     rng = np.random.default_rng(0)
     pacer = PrefillPacer(share, min_tokens=16)
-    start, own, extra, hiccup, sizes = budget, 0.0, 0.0, 0.0, []
+    for _ in range(5):  # ordinary steps before the long prompt arrives
+        pacer.observe(base * rng.uniform(0.9, 1.1), 0, decodes=8)
+    start, own, extra, hiccup, sizes = 0, 0.0, 0.0, 0.0, []
     while start < prompt:
-        cap = None if pacer.blocked else pacer.chunk_tokens(start)
-        if pacer.blocked:
+        first = start < budget
+        if pacer.blocked and not first:
             took, pairs = base * rng.uniform(0.9, 1.1), 0
         else:
+            cap = budget - start if first else pacer.chunk_tokens(start)
             n = min(cap or budget, budget, prompt - start)
             pairs = PrefillPacer.pairs(start, n)
             pacer.scheduled()
@@ -115,3 +119,49 @@ def test_paced_long_prompt_beside_decodes_on_a_real_model(tmp_path):
     assert paced_steps >= plain_steps
     pacer = engine.scheduler.pacer
     assert pacer.base is not None and pacer.per_pair is not None  # it measured paced steps
+
+
+def test_a_long_prefill_starts_with_one_budget_measured_and_owed():
+    """Beside decodes, only the prompt's first budget's worth goes at once: the first chunk
+    (the budget less the decodes), then the few tokens left of that budget — not a second
+    whole chunk; both are measured (the first ``per_pair``) and owed. Outputs are exact."""
+    from tests.test_scheduler_policies import expected, mock_engine, params
+
+    engine = mock_engine(
+        max_slots=4, max_num_batched_tokens=64, num_pages=200, page_size=8, max_seq_len=1024,
+        prefill_pacing=0.3, debug_checks=True,
+    )  # fmt: skip
+    rng = np.random.default_rng(1)
+    shorts = [rng.integers(3, 97, 6).tolist() for _ in range(3)]
+    long_prompt = rng.integers(3, 97, 700).tolist()
+    ids = [engine.add_request(p, params(120)) for p in shorts]
+    outs = {i: [] for i in ids}
+
+    def step(outputs=None):
+        for out in engine.step() if outputs is None else outputs:
+            outs[out.request_id] += out.outputs[0].token_ids
+
+    for _ in range(4):
+        step()  # the three decode from here on
+    pacer = engine.scheduler.pacer
+    long_id = engine.add_request(long_prompt, params(3))
+    outs[long_id], chunks, schedule = [], [], engine.scheduler.schedule
+
+    def recording(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        chunks.extend((engine.scheduler.num_steps, len(c.token_ids), out.paced_pairs > 0)
+                      for c in out.chunks if c.seq.request_id == long_id)  # fmt: skip
+        return out
+
+    engine.scheduler.schedule = recording
+    step()
+    step()
+    assert [c[1:] for c in chunks] == [(61, True), (3, True)], chunks  # at once, both owed
+    assert chunks[1][0] == chunks[0][0] + 1
+    step(engine.drain())
+    assert pacer.per_pair is not None and pacer.in_flight == 0  # both measured
+    while engine.has_unfinished_requests():
+        step()
+    assert sum(c[1] for c in chunks) == len(long_prompt)
+    for i, prompt in zip([*ids, long_id], [*shorts, long_prompt]):
+        assert outs[i] == expected(prompt, params(120 if i != long_id else 3))

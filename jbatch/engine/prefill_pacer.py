@@ -8,8 +8,11 @@ keeps the decoders' share of the device time instead, from measured step times:
 
 1. The engine reports every finished step (:meth:`observe`): its duration (from the previous
    step's result, or its own dispatch if later, to its own result) and the query-key pairs of
-   its *paced* chunks — chunks of a prompt past its first ``max_num_batched_tokens`` tokens,
-   scheduled while other requests decode.
+   its *paced* chunks — chunks of a prompt longer than ``max_num_batched_tokens``, scheduled
+   while other requests decode. The prompt's first ``max_num_batched_tokens`` tokens are
+   scheduled at once (a long prompt starts without waiting), but measured and owed like the
+   rest: they give the first ``per_pair`` and their time goes into the debt, never into
+   ``base``.
 2. Steps without paced chunks set ``base``, a moving average of an ordinary step's time; steps
    with them set ``per_pair``, a moving average of ``(duration - base) / pairs``.
 3. ``debt``: a paced step adds the time it took beyond ``base``; every step with decodes pays
@@ -22,7 +25,8 @@ keeps the decoders' share of the device time instead, from measured step times:
 4. The chunk size shrinks as the context grows (:meth:`chunk_tokens`): ``n`` tokens at context
    ``start`` cost ``per_pair * n * (start + n)``, kept within ``share * base`` — but never
    below ``block_q`` tokens (a smaller chunk would cost a whole query block anyway), so each
-   paced step makes progress and the debt spreads the rest.
+   paced step makes progress and the debt spreads the rest. Should no paced step have been
+   measured yet, the chunk is a ``block_q`` probe, not a whole budget of unknown cost.
 
 Host-only, O(1) per step; the step's shapes are unchanged (a chunk size is a row count inside
 the same prompt buckets), so pacing never compiles anything.
@@ -60,8 +64,11 @@ class PrefillPacer:
         self.in_flight += 1
 
     def chunk_tokens(self, start: int) -> int | None:
-        """The most tokens a paced chunk at context ``start`` may take (None: no limit yet)."""
-        if self.base is None or self.per_pair is None or self.per_pair <= 0.0:
+        """The most tokens a paced chunk at context ``start`` may take (None: no limit; paced
+        chunks have cost nothing measurable)."""
+        if self.base is None or self.per_pair is None:
+            return self.min_tokens  # nothing measured yet: a probe
+        if self.per_pair <= 0.0:
             return None
         allowed = self.share * self.base / self.per_pair  # pairs within the share of one step
         # the largest n with pairs(start, n) <= allowed: n^2 / 2 + n * (start + 1/2) = allowed

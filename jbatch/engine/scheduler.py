@@ -313,14 +313,16 @@ class Scheduler:
             del seq.pages[keep:]
 
     def _pacing(self, seq: Request, out: SchedulerOutput) -> tuple[bool, int | None]:
-        """Whether ``seq``'s next chunk is paced (``prefill_pacer.py``: a prompt past its first
-        step budget, while others decode), and the most tokens it may take (None: no limit,
-        0: it waits this step)."""
-        pacer = self.pacer
-        if pacer is None or not out.decodes:
+        """Whether ``seq``'s next chunk is paced (``prefill_pacer.py``: a chunk of a prompt
+        longer than the step budget, while others decode: its cost is measured and owed), and
+        the most tokens it may take (None: no limit, 0: it waits this step). The prompt's first
+        budget's worth goes at once, and only that: a first chunk shortened by the decodes
+        leaves just the rest of it, not a second whole chunk."""
+        pacer, budget = self.pacer, self.cfg.max_num_batched_tokens
+        if pacer is None or not out.decodes or len(seq.prefill_ids) <= budget:
             return False, None
-        if seq.num_computed < self.cfg.max_num_batched_tokens:
-            return False, None
+        if seq.num_computed < budget:
+            return True, budget - seq.num_computed
         return True, 0 if pacer.blocked else pacer.chunk_tokens(seq.num_computed)
 
     def _schedule_chunk(
@@ -391,7 +393,9 @@ class Scheduler:
             self._admissions += 1
             self.running[slot] = seq
             out.inserts.append(seq)
-            budget, rows = self._schedule_chunk(seq, budget, rows, out)
+            paced, cap = self._pacing(seq, out)  # a blocked pacer: one block to start with
+            cap = self.cfg.block_q if cap == 0 else cap
+            budget, rows = self._schedule_chunk(seq, budget, rows, out, cap, paced)
 
     def _swap_in_pages(self, seq: Request) -> list[int] | None:
         """Pages for a swapped-out (or handed-over) sequence: its full pages the prefix cache
