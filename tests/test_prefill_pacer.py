@@ -155,6 +155,7 @@ def test_a_long_prefill_starts_with_one_budget_measured_and_owed():
 
     engine.scheduler.schedule = recording
     step()
+    assert pacer.blocked  # the admission's first chunk is in flight, its cost unknown
     step()
     assert [c[1:] for c in chunks] == [(61, True), (3, True)], chunks  # at once, both owed
     assert chunks[1][0] == chunks[0][0] + 1

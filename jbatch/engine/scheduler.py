@@ -225,9 +225,9 @@ class Scheduler:
                 paced, cap = self._pacing(seq, out)
                 if cap != 0:
                     budget, rows = self._schedule_chunk(seq, budget, rows, out, cap, paced)
-        if out.paced_pairs:
-            self.pacer.scheduled()
         self._admit(out, budget, rows)
+        if out.paced_pairs:  # paced chunks, an admitted long prompt's first one included
+            self.pacer.scheduled()
         out.releases, self.pending_releases = self.pending_releases, []
         return out
 
