@@ -16,15 +16,24 @@ executable store in its ``jbatch-executables`` subdirectory
   evicting the least recently used entries: each jbatch or jax upgrade, config or bucket change
   adds programs, and a server that runs for months must not fill its disk. JAX's own setting
   decides instead when it is given (``JAX_COMPILATION_CACHE_MAX_SIZE`` in bytes, ``-1``: no
-  limit, or ``jax_compilation_cache_max_size`` set before ``enable``).
+  limit, or ``jax_compilation_cache_max_size`` set before ``enable``). A bounded JAX cache
+  evicts by a ``<key>-atime`` file per entry, which an unbounded one never wrote; without it
+  every later write fails (JAX warns and stores nothing), so ``enable`` dates such entries
+  (their mtime) once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 import jax
+
+try:  # the file names of JAX's bounded cache (``jax._src.lru_cache``)
+    from jax._src.lru_cache import _ATIME_SUFFIX, _CACHE_SUFFIX
+except ImportError:  # another layout: nothing to date
+    _ATIME_SUFFIX = _CACHE_SUFFIX = None
 
 ENV = "JBATCH_COMPILATION_CACHE"
 OFF = ("off", "none", "0", "")
@@ -49,7 +58,25 @@ def enable(directory: str | Path | None) -> Path | None:
     unset = jax.config.jax_compilation_cache_max_size == -1 and _JAX_MAX_SIZE_ENV not in os.environ
     if unset:  # bounded unless JAX was told otherwise (module doc, "Size")
         jax.config.update("jax_compilation_cache_max_size", DEFAULT_MAX_BYTES)
+    if jax.config.jax_compilation_cache_max_size != -1:
+        date_entries(path)
     return path
+
+
+def date_entries(path: Path) -> int:
+    """Give every entry of JAX's cache in ``path`` that has no access-time file one, from the
+    entry's mtime (module doc, "Size"); returns how many were dated."""
+    if _CACHE_SUFFIX is None:
+        return 0
+    dated = 0
+    for entry in path.glob(f"*{_CACHE_SUFFIX}"):
+        atime = entry.with_name(entry.name.removesuffix(_CACHE_SUFFIX) + _ATIME_SUFFIX)
+        if atime.exists():
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile, or a read-only cache
+            atime.write_bytes(entry.stat().st_mtime_ns.to_bytes(8, "little"))
+            dated += 1
+    return dated
 
 
 def from_env(default: str | Path | None = None) -> Path | None:

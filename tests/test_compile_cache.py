@@ -55,3 +55,24 @@ def test_the_cache_is_bounded_unless_jax_was_told(monkeypatch, tmp_path, restore
     monkeypatch.setenv("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")  # "no limit", said explicitly
     compile_cache.enable(tmp_path / "c")
     assert jax.config.jax_compilation_cache_max_size == -1
+
+
+def test_entries_of_an_unbounded_cache_are_dated_so_jax_can_evict(
+    tmp_path, monkeypatch, restore_jax_cache_config
+):
+    """A cache filled while unbounded (before jbatch bounded it) has no access-time files; JAX's
+    bounded cache needs one per entry to evict, and without it every write fails. ``enable``
+    dates them, and JAX's own cache then evicts the old entry to store a new one."""
+    from jax._src.lru_cache import LRUCache  # JAX's cache class, exercised as JAX uses it
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
+    jax.config.update("jax_compilation_cache_max_size", -1)
+    (tmp_path / "old-cache").write_bytes(b"x" * 100)  # as an unbounded cache leaves it
+    with pytest.raises(FileNotFoundError):
+        LRUCache(str(tmp_path), max_size=120).put("new", b"y" * 50)  # what enable prevents
+    assert not (tmp_path / "new-cache").exists()
+    compile_cache.enable(tmp_path)
+    assert (tmp_path / "old-atime").exists()
+    assert compile_cache.date_entries(tmp_path) == 0  # once
+    LRUCache(str(tmp_path), max_size=120).put("new", b"y" * 50)
+    assert (tmp_path / "new-cache").exists() and not (tmp_path / "old-cache").exists()
