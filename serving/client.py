@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 
@@ -19,6 +20,21 @@ _FINISH_NAMES = {
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORT: "abort",
 }
+
+
+# A call the server refused before reading it (HTTP/2 RST_STREAM REFUSED_STREAM when a
+# connection is over the server's max_concurrent_streams, as it can briefly be while the
+# server retires a finished stream) surfaces as UNAVAILABLE. gRPC retries a call only until
+# its first response arrives, so no generated token is ever asked for twice.
+RETRY_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": "jbatch.v1.Generation"}],
+        "retryPolicy": {
+            "maxAttempts": 4, "initialBackoff": "0.05s", "maxBackoff": "1s",
+            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }]
+})  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -63,12 +79,13 @@ class GenerationClient:
     """
 
     def __init__(self, target: str, *, tls_ca: str | None = None, api_key: str | None = None):
+        options = [("grpc.enable_retries", 1), ("grpc.service_config", RETRY_SERVICE_CONFIG)]
         if tls_ca is None:
-            self.channel = grpc.aio.insecure_channel(target)
+            self.channel = grpc.aio.insecure_channel(target, options=options)
         else:
             with open(tls_ca, "rb") as f:
                 credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
-            self.channel = grpc.aio.secure_channel(target, credentials)
+            self.channel = grpc.aio.secure_channel(target, credentials, options=options)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self._metadata = () if not api_key else (("authorization", f"Bearer {api_key}"),)
 

@@ -144,7 +144,10 @@ def test_body_over_the_limit_is_413(limited):
 
 def test_concurrent_streams_per_connection_are_capped(limited):
     """Five streams on one channel with max_concurrent_streams=2: at most two reach the
-    server at a time (the others wait in the client), and all five finish exact."""
+    server at a time (the others wait in the client), and all five finish exact. On a fresh
+    connection some streams go out before the client has read the server's SETTINGS, and the
+    server refuses them (UNAVAILABLE): the client's retry policy sends them again (without it
+    this test failed about one run in three)."""
     peak, stop = [0], threading.Event()
 
     def watch():
