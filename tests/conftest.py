@@ -14,6 +14,22 @@ import pytest  # noqa: E402 (after the environment above)
 
 from tests.hf_models import make_checkpoint  # noqa: E402
 
+_JAX_CACHE_OPTIONS = (
+    "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+    "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size",
+)  # fmt: skip
+
+
+@pytest.fixture
+def restore_jax_cache_config():
+    """Put back JAX's persistent-cache options (directory, thresholds, size) a test changed."""
+    import jax
+
+    old = {n: getattr(jax.config, n) for n in _JAX_CACHE_OPTIONS}
+    yield
+    for n, v in old.items():
+        jax.config.update(n, v)
+
 
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):

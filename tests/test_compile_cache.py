@@ -8,18 +8,6 @@ import pytest
 from jbatch import compile_cache
 
 
-@pytest.fixture
-def restore_jax_cache_config():
-    names = (
-        "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size",
-    )  # fmt: skip
-    old = {n: getattr(jax.config, n) for n in names}
-    yield
-    for n, v in old.items():
-        jax.config.update(n, v)
-
-
 def test_off_unless_asked(monkeypatch, restore_jax_cache_config):
     before = jax.config.jax_compilation_cache_dir
     assert compile_cache.from_env() is None  # conftest: JBATCH_COMPILATION_CACHE=off

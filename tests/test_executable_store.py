@@ -140,18 +140,14 @@ def test_a_program_from_jaxs_persistent_cache_is_not_stored(tmp_path, first):
         assert again["tokens"] == tokens
 
 
-def test_the_store_follows_jaxs_cache_dir_only_when_it_is_local(tmp_path):
-    old = jax.config.jax_compilation_cache_dir
-    try:
-        for where, expected in ((None, None), ("gs://bucket/xla", None), (str(tmp_path), True)):
-            jax.config.update("jax_compilation_cache_dir", where)
-            store = FROM_CACHE()
-            if expected is None:
-                assert store is None, where
-            else:
-                assert store.directory == tmp_path / executable_store.SUBDIR
-    finally:
-        jax.config.update("jax_compilation_cache_dir", old)
+def test_the_store_follows_jaxs_cache_dir_only_when_it_is_local(tmp_path, restore_jax_cache_config):
+    for where, expected in ((None, None), ("gs://bucket/xla", None), (str(tmp_path), True)):
+        jax.config.update("jax_compilation_cache_dir", where)
+        store = FROM_CACHE()
+        if expected is None:
+            assert store is None, where
+        else:
+            assert store.directory == tmp_path / executable_store.SUBDIR
 
 
 def _tiny_program() -> jax.stages.Compiled:
@@ -185,16 +181,10 @@ def test_the_least_recently_used_programs_go_when_the_store_is_full(tmp_path):
         ExecutableStore(tmp_path, max_bytes=0)
 
 
-def test_the_store_takes_jaxs_cache_size_limit(tmp_path):
-    old = {n: getattr(jax.config, n) for n in ("jax_compilation_cache_dir",
-                                               "jax_compilation_cache_max_size")}  # fmt: skip
-    try:
-        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
-        for limit, expected in ((-1, None), (5 << 20, 5 << 20)):
-            jax.config.update("jax_compilation_cache_max_size", limit)
-            assert FROM_CACHE().max_bytes == expected
-        jax.config.update("jax_compilation_cache_max_size", 0)  # JAX's "caching off"
-        assert FROM_CACHE() is None
-    finally:
-        for n, v in old.items():
-            jax.config.update(n, v)
+def test_the_store_takes_jaxs_cache_size_limit(tmp_path, restore_jax_cache_config):
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    for limit, expected in ((-1, None), (5 << 20, 5 << 20)):
+        jax.config.update("jax_compilation_cache_max_size", limit)
+        assert FROM_CACHE().max_bytes == expected
+    jax.config.update("jax_compilation_cache_max_size", 0)  # JAX's "caching off"
+    assert FROM_CACHE() is None

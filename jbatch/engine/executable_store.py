@@ -241,7 +241,7 @@ class ExecutableStore:
     def evict(self, keep: Path | None = None) -> list[Path]:
         """Delete the least recently used programs until the directory fits ``max_bytes``
         (never ``keep``, the one just stored); returns those deleted. Another engine may be
-        evicting too: a file already gone is skipped (its reader sees a miss)."""
+        evicting too: a file it already deleted counts as gone (its reader sees a miss)."""
         if self.max_bytes is None:
             return []
         files = []
