@@ -1,5 +1,6 @@
 """Paged attention kernels and their pure-JAX references."""
 
+from pallas_kernels.cpu_attention import cpu_paged_attention
 from pallas_kernels.dispatch import (
     IMPLEMENTATIONS,
     PALLAS_IMPLS,
@@ -17,6 +18,7 @@ from pallas_kernels.ragged_paged_attention import (
 __all__ = [
     "IMPLEMENTATIONS",
     "PALLAS_IMPLS",
+    "cpu_paged_attention",
     "paged_attention",
     "paged_attention_reference",
     "paged_attention_rows",

@@ -3,8 +3,10 @@
 ``impl`` is static (a Python string), so the choice is made at trace time and costs nothing per
 step. ``"auto"`` resolves to the fastest implementation available on the default backend: the
 Pallas ragged kernel on GPU, JAX's TPU ragged kernel on TPU (float pools; ``"tpu"``, through
-:mod:`pallas_kernels.tpu_attention`, which the model calls itself), the chunked XLA path
-elsewhere. ``"pallas_interpret"`` runs the same
+:mod:`pallas_kernels.tpu_attention`, which the model calls itself), the native kernel of
+:mod:`pallas_kernels.cpu_attention` on CPU (``"cpu"``: decode rows and speculative groups; prompt
+blocks keep the chunked XLA path), the chunked XLA path where none of these applies.
+``"pallas_interpret"`` runs the same
 Pallas kernel in interpret mode (any backend, slow): it is how CPU tests exercise the GPU kernel.
 """
 
@@ -16,13 +18,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Shaped
 
+from pallas_kernels import cpu_attention
 from pallas_kernels.paged_attention_reference import paged_attention_reference
 from pallas_kernels.paged_attention_xla import paged_attention_xla
 from pallas_kernels.ragged_paged_attention import kernel_supports, ragged_paged_attention
 from pallas_kernels.ragged_rows import pack_rows
 from pallas_kernels.tpu_attention import kernel_supports as tpu_kernel_supports
 
-IMPLEMENTATIONS = ("auto", "reference", "xla", "pallas", "pallas_interpret", "tpu")
+IMPLEMENTATIONS = ("auto", "reference", "xla", "pallas", "pallas_interpret", "tpu", "cpu")
 PALLAS_IMPLS = ("pallas", "pallas_interpret")
 
 
@@ -30,10 +33,24 @@ def resolve_impl(impl: str, q=None, k_pages=None) -> str:
     """Map ``impl`` to a concrete implementation name, or raise naming the bad value.
 
     Given the arrays, ``"auto"`` also falls back to XLA for sizes the kernel does not support
-    (on TPU: 8-bit pools, whose per-token scales JAX's kernel cannot take)."""
+    (on TPU: 8-bit pools, whose per-token scales JAX's kernel cannot take; on CPU: dtypes the
+    native kernel does not take, or no C++ compiler to build it)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
     backend = jax.default_backend()
+    cpu_ok = k_pages is None or cpu_attention.supports(q.dtype, k_pages.dtype)
+    if impl == "auto" and backend == "cpu":
+        return "cpu" if cpu_attention.available() and cpu_ok else "xla"
+    if impl == "cpu":
+        if not cpu_attention.available():
+            raise ValueError(
+                f"attn_impl='cpu' needs the native CPU kernel: {cpu_attention.unavailable_reason()}"
+            )
+        if not cpu_ok:
+            raise ValueError(
+                f"attn_impl='cpu' takes q in {cpu_attention.QUERY_DTYPES} and pools in "
+                f"{cpu_attention.POOL_DTYPES}, got q {q.dtype}, pool {k_pages.dtype}"
+            )
     if impl == "auto" and backend == "tpu":
         impl = "tpu" if k_pages is None or tpu_kernel_supports(k_pages.dtype) else "xla"
     if impl == "auto":
@@ -129,7 +146,14 @@ def paged_attention(
             v_scales=v_scales,
         )
         return out.reshape(n, bq, h, d)
-    fn = {"reference": paged_attention_reference, "xla": paged_attention_xla}[impl]
+    if impl == "cpu" and q.shape[1] <= cpu_attention.MAX_BLOCK_Q:
+        fn = cpu_attention.cpu_paged_attention
+    else:  # prompt blocks under "cpu" keep XLA's batched dots
+        fn = {
+            "reference": paged_attention_reference,
+            "xla": paged_attention_xla,
+            "cpu": paged_attention_xla,
+        }[impl]
     return fn(
         q,
         k_pages,

@@ -39,9 +39,11 @@ class EngineConfig:
         compare with HF); logits and sampling math are float32 either way.
     block_q: prompt chunks are laid out in blocks of this many query rows (one sequence a block).
     attn_impl: paged attention implementation: "auto" (the Pallas kernel on GPU, JAX's TPU
-        ragged kernel on TPU for float pools, XLA elsewhere), "xla", "reference", "pallas",
-        "pallas_interpret" (the kernel in Pallas interpret mode: CPU tests), or "tpu" (JAX's
-        TPU kernel; the pool is stored in its layout, see ``pallas_kernels.tpu_layout``).
+        ragged kernel on TPU for float pools, the native kernel on CPU when it builds, XLA
+        elsewhere), "xla", "reference", "pallas", "pallas_interpret" (the kernel in Pallas
+        interpret mode: CPU tests), "tpu" (JAX's TPU kernel; the pool is stored in its layout,
+        see ``pallas_kernels.tpu_layout``) or "cpu" (``pallas_kernels.cpu_attention``: a C++
+        kernel built on first use; decode and speculative rows, prompt blocks stay on XLA).
     kv_cache_dtype: what the KV pool stores: "auto" (the model dtype), "int8" or "fp8_e4m3"
         (8-bit entries plus one bfloat16 scale per token and KV head: ~1.9x the tokens of a
         bfloat16 pool in the same bytes; see ``pallas_kernels.kv_quant``).

@@ -38,6 +38,7 @@ from jbatch.engine.step_input import (
     spec_layouts,
 )
 from jbatch.models.config import ModelConfig
+from pallas_kernels import resolve_impl
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ class EngineCore:
 
     def __post_init__(self):
         self.host = jax.devices("cpu")[0]
+        # Builds and registers a native attention kernel now when one applies: programs loaded
+        # from the executable store call it without being traced again.
+        resolve_impl(self.cfg.attn_impl)
         self.layouts = all_layouts(self.cfg)
         self.spec_layouts = spec_layouts(self.cfg)  # speculative decoding (spec_step.py)
         self._multiprocess = jax.process_count() > 1

@@ -58,12 +58,13 @@ _NOT_PROGRAM = ("jax_compilation_cache", "jax_persistent_cache", "jax_log", "jax
 
 
 def _source_fingerprint() -> str | None:
-    """SHA-256 of every ``.py`` file of the packages whose code is traced into a program (None:
-    no sources found, e.g. a bytecode-only install: the store stays off)."""
+    """SHA-256 of every ``.py`` file of the packages whose code is traced into a program, and of
+    the native kernels' ``.cc`` sources they call (None: no sources found, e.g. a bytecode-only
+    install: the store stays off)."""
     h, found = hashlib.sha256(), 0
     for package in _PACKAGES:
         root = Path(importlib.import_module(package).__file__).parent
-        for path in sorted(root.rglob("*.py")):
+        for path in sorted([*root.rglob("*.py"), *root.rglob("*.cc")]):
             h.update(str(path.relative_to(root.parent)).encode())
             h.update(path.read_bytes())
             found += 1
