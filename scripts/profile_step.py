@@ -67,14 +67,18 @@ def main() -> None:
     for name, ms in ops.most_common(15):
         print(f"{ms / steps:8.2f}  {name}")
     groups: collections.Counter = collections.Counter()
+    other: collections.Counter = collections.Counter()
     for name, ms in ops.items():
         kind = re.sub(r"\.\d+$", "", name)
         if kind in ("while", "transpose_copy_fusion", "dot"):
-            groups["paged attention (chunk loop)"] += ms
+            groups["paged attention (XLA chunk loop)"] += ms
+        elif kind == "ffi_call":  # the native CPU kernel (pallas_kernels/cpu_attention.py)
+            groups["paged attention (native CPU kernel)"] += ms
         elif kind == "ynn_fusion":
             groups["matmuls (YNNPACK)"] += ms
         else:
             groups["everything else (sampling, scatter, norms, ...)"] += ms
+            other[kind] += ms
     head = max((ms for n, ms in ops.items() if n.startswith("ynn_fusion")), default=0.0)
     groups["matmuls (YNNPACK)"] -= head
     groups["LM head (largest dot)"] = head
@@ -82,6 +86,9 @@ def main() -> None:
     print("\ngrouped (ms per step, share):")
     for name, ms in groups.most_common():
         print(f"{ms / steps:8.2f}  {100 * ms / total:5.1f}%  {name}")
+    print("\neverything else, by op kind (ms per step):")
+    for kind, ms in other.most_common(10):
+        print(f"{ms / steps:8.2f}  {kind}")
 
 
 if __name__ == "__main__":

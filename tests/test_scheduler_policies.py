@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jbatch import EngineConfig, LLMEngine, SamplingParams
+from jbatch.engine import buckets
 from jbatch.engine.config import SCHEDULING_POLICIES
 from jbatch.engine.mock_core import MockCore, expected_tokens
 
@@ -226,3 +227,38 @@ def test_aging_bounds_the_wait_of_a_low_priority_long_prompt():
     waited = run_flood(aging_steps=8)
     assert waited is not None and waited <= 50, f"waited {waited} steps"
     assert run_flood(aging_steps=0) is None, "without aging the flood should starve it"
+
+
+def test_fit_prompt_rows_picks_the_nearest_bucket_above_the_smallest():
+    cfg = EngineConfig(block_q=16, max_num_batched_tokens=512)
+    assert buckets.prefill_buckets(cfg) == (0, 16, 64, 256, 512)
+    wanted = (1, 16, 32, 48, 64, 80, 144, 160, 256, 368, 384, 512, 600)
+    fit = {w: buckets.fit_prompt_rows(cfg, w) for w in wanted}
+    # never down to the single-block bucket; down while fewer rows are left over than padded
+    assert fit == {1: 16, 16: 16, 32: 64, 48: 64, 64: 64, 80: 64, 144: 64, 160: 256, 256: 256,
+                   368: 256, 384: 512, 512: 512, 600: 512}  # fmt: skip
+
+
+def test_a_prompt_just_past_a_bucket_is_chunked_not_padded_to_the_next():
+    """70 prompt tokens with decodes running: 64 rows now and the rest next step, not one
+    step padded to 256 rows; the outputs are unchanged."""
+    eng = mock_engine(
+        block_q=16, max_num_batched_tokens=512, max_slots=4, num_pages=64, max_seq_len=128
+    )
+    first = eng.add_request([5, 6, 7], params(8))
+    assert eng.step() == []  # its first token is in flight
+    prompt = [3 + i % 90 for i in range(70)]
+    late = eng.add_request(prompt, params(4))
+    got = {first: []}
+    for i in range(2):  # the 70-token prompt's two steps (the step in flight: _inflight[-1])
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+        sched = eng._inflight[-1][0]
+        assert [len(c.token_ids) for c in sched.chunks] == [(64, 6)[i]]
+        assert buckets.pick_bucket(eng.cfg, sched.prompt_rows) == (64, 16)[i]
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+    assert got[late] == expected(prompt, params(4))
+    assert got[first] == expected([5, 6, 7], params(8))
+    assert_drained(eng)

@@ -43,6 +43,19 @@ def pick_bucket(cfg: EngineConfig, rows: int) -> int:
     raise ValueError(f"{rows} prompt rows exceed the largest bucket {prefill_buckets(cfg)[-1]}")
 
 
+def fit_prompt_rows(cfg: EngineConfig, wanted: int) -> int:
+    """The prompt rows a step plans for when ``wanted`` rows of prompt chunks could go: the
+    nearest prefill bucket — the one below when fewer rows are left over for a later step's
+    chunk than the smallest bucket holding them would pad — but never down to the smallest
+    bucket, which holds a single prompt block (small prompts are not admitted one per step).
+    So a prompt just past a bucket no longer takes one up to 4x its size."""
+    sizes = [b for b in prefill_buckets(cfg) if b > 0]
+    upper = next((b for b in sizes if b >= wanted), sizes[-1])
+    lower = max((b for b in sizes if b < upper), default=upper)
+    nearer_below = wanted - lower < upper - wanted
+    return lower if nearer_below and lower > sizes[0] else upper
+
+
 MIN_DECODE_ROWS = 1  # the smallest decode-only bucket (mixed steps: at least 8 rows)
 
 

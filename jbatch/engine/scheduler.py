@@ -7,7 +7,8 @@ Per step, in this order:
    pages are freed — its full pages stay in the prefix cache — and it is requeued; on
    re-admission it prefills prompt + outputs so far, mostly from the cache).
 2. **Prompt chunks** of running sequences still prefilling, under the token budget
-   (``max_num_batched_tokens`` minus the decodes) and the largest row bucket.
+   (``max_num_batched_tokens`` minus the decodes) and a row cap: the prefill bucket nearest
+   the rows that could go (``prompt_rows.py``), so a step's prompt region is mostly real rows.
 3. **Admission** — waiting sequences take free slots while budget and pages remain, in order of
    effective priority (``priority`` minus one per ``aging_steps`` waited since arrival; lower
    first), FCFS within a priority; a preempted sequence keeps its place (a heap:
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 
-from jbatch.engine import buckets
+from jbatch.engine import prompt_rows
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.page_allocator import PageAllocator
 from jbatch.engine.parent_request import sibling_prompt_pages
@@ -218,7 +219,8 @@ class Scheduler:
         else:
             self._schedule_decodes(out, order)
         budget = self.cfg.max_num_batched_tokens - len(out.decodes)
-        rows = buckets.prefill_buckets(self.cfg)[-1]
+        free = len(self.free_slots)
+        rows = prompt_rows.row_cap(self.cfg, order, self.waiting, free, self.num_steps, budget)
         for seq in order:
             running_prompt = seq.status is RequestStatus.RUNNING and seq.prefilling
             if running_prompt and budget > 0 and rows >= self.cfg.block_q:
