@@ -218,10 +218,17 @@ def apply_rope(
     x: Float[Array, "t h d"], cos: Float[Array, "t half"], sin: Float[Array, "t half"]
 ) -> Float[Array, "t h d"]:
     """Rotate-half RoPE (the HF Llama convention) on the first ``2 * half`` dimensions of each
-    head; the rest (partial rotary) pass through."""
+    head; the rest (partial rotary) pass through.
+
+    Computed as ``x * [c, c] + swap(x) * [-s, s]``, where ``swap`` exchanges the two halves (a
+    reverse over a size-2 axis): the same products and sums as ``[x1 c - x2 s, x2 c + x1 s]``,
+    bit for bit, but XLA:CPU fuses it into one elementwise loop, where the concatenation of two
+    computed halves ran ~4x slower (~120 µs a layer at 32 rows of the 30-layer SmolLM2 shape)."""
+    t, h, _ = x.shape
     half = cos.shape[-1]
     rot, rest = x[..., : 2 * half].astype(jnp.float32), x[..., 2 * half :]
-    x1, x2 = rot[..., :half], rot[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    swapped = rot.reshape(t, h, 2, half)[:, :, ::-1, :].reshape(t, h, 2 * half)
+    c = jnp.concatenate([cos, cos], axis=-1)[:, None, :]
+    s = jnp.concatenate([-sin, sin], axis=-1)[:, None, :]
+    out = (rot * c + swapped * s).astype(x.dtype)
     return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
