@@ -24,9 +24,14 @@ from __future__ import annotations
 from jbatch.engine.config import EngineConfig
 
 
+def block_rows(cfg: EngineConfig, tokens: int) -> int:
+    """Rows ``tokens`` prompt tokens take in a step's prompt region: whole ``block_q`` blocks."""
+    return -(-tokens // cfg.block_q) * cfg.block_q
+
+
 def prefill_buckets(cfg: EngineConfig) -> tuple[int, ...]:
     """Prompt-chunk row counts: 0 (decode only), then block_q x powers of 4 up to the budget."""
-    top = -(-cfg.max_num_batched_tokens // cfg.block_q) * cfg.block_q
+    top = block_rows(cfg, cfg.max_num_batched_tokens)
     rows, r = [0], cfg.block_q
     while r < top:
         rows.append(r)

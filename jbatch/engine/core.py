@@ -115,7 +115,7 @@ def prompt_batch(cfg: EngineConfig, slot: int, token_ids, pages) -> StepBatch:
     """A step batch that prefills one whole prompt into ``slot`` and assigns it ``pages``
     (a convenience for driving the device API by hand; the scheduler builds batches itself)."""
     n = len(token_ids)
-    rows = buckets.pick_bucket(cfg, -(-n // cfg.block_q) * cfg.block_q)
+    rows = buckets.pick_bucket(cfg, buckets.block_rows(cfg, n))
     if len(pages) > buckets.max_page_writes(cfg):
         raise ValueError(f"{len(pages)} pages exceed one step's {buckets.max_page_writes(cfg)}")
     batch = StepBatch.empty(cfg, rows)

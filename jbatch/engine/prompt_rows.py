@@ -24,10 +24,6 @@ from jbatch.engine.config import EngineConfig
 from jbatch.engine.request import Request, RequestStatus
 
 
-def _rows(cfg: EngineConfig, tokens: int) -> int:
-    return -(-tokens // cfg.block_q) * cfg.block_q
-
-
 def wanted_rows(
     cfg: EngineConfig, running: Iterable[Request], waiting, free_slots: int, step: int
 ) -> int:
@@ -38,7 +34,7 @@ def wanted_rows(
     want = 0
     for seq in running:
         if seq.status is RequestStatus.RUNNING and seq.prefilling:
-            want += _rows(cfg, len(seq.prefill_ids) - seq.num_computed)
+            want += buckets.block_rows(cfg, len(seq.prefill_ids) - seq.num_computed)
             if want >= top:
                 return top
     if free_slots == 0 or not len(waiting):
@@ -47,15 +43,16 @@ def wanted_rows(
         for seq in queue:
             if free_slots == 0 or want >= top:
                 break
-            if seq.inflight or seq.preempted_at == step:
+            if seq.held_back(step):
                 continue  # the admission pass skips these too
             free_slots -= 1
             if not seq.swapped_pages:  # a swap-in computes nothing; ``start`` prefills these
-                want += _rows(cfg, len(seq.prompt_ids) + len(seq.output_ids))
+                want += buckets.block_rows(cfg, seq.num_tokens)
     return min(want, top)
 
 
 def row_cap(cfg: EngineConfig, running, waiting, free_slots: int, step: int, budget: int) -> int:
     """The prompt rows to schedule this step at most (module doc)."""
-    wanted = min(wanted_rows(cfg, running, waiting, free_slots, step), _rows(cfg, budget))
+    wanted = wanted_rows(cfg, running, waiting, free_slots, step)
+    wanted = min(wanted, buckets.block_rows(cfg, budget))
     return buckets.fit_prompt_rows(cfg, max(wanted, 1))

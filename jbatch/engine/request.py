@@ -127,6 +127,11 @@ class Request:
         done, prefill = self.num_computed, len(self.prefill_ids)
         return decodes(True, done, prefill, self.num_sampled, self.max_tokens, _NO_LIMIT)
 
+    def held_back(self, step: int) -> bool:
+        """Not admissible at scheduler step ``step``: still owed tokens from a step in flight,
+        or evicted at this very step."""
+        return bool(self.inflight) or self.preempted_at == step
+
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

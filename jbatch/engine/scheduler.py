@@ -370,8 +370,8 @@ class Scheduler:
         for seq in queue:
             if not (self.free_slots and budget > 0 and rows >= self.cfg.block_q):
                 break
-            if seq.inflight or seq.preempted_at == self.num_steps:
-                continue  # still owed tokens from the step in flight, or evicted just now
+            if seq.held_back(self.num_steps):
+                continue
             if seq.swapped_pages:
                 pages = self._swap_in_pages(seq)
                 if pages is None:
