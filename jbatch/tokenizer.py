@@ -15,9 +15,18 @@ from typing import Any
 
 import tokenizers
 
+try:  # tokenizers >= 0.22: the streaming decoder with a prefilled context
+    from tokenizers.decoders import DecodeStream as _DecodeStream
+except ImportError:  # pragma: no cover - older tokenizers: the Python reference path only
+    _DecodeStream = None
+
 __all__ = ["IncrementalDetokenizer", "Tokenizer"]
 
 _REPLACEMENT_CHAR = "\ufffd"
+# Tokens held back before the held text is taken for invalid bytes, not one unfinished
+# character (at most 4 bytes, so at most 4 tokens): then all but the last 3 go out.
+_MAX_HELD = 8
+_KEEP_HELD = 3
 
 
 def _token_content(value: Any) -> str | None:
@@ -129,6 +138,13 @@ class IncrementalDetokenizer:
     ``context_tokens`` prompt ids only seed the window so the first generated token keeps its
     leading space (the deltas then continue the prompt text, as a streamed reply should).
 
+    Tokens are taken one at a time. The work is done by ``tokenizers``' own ``DecodeStream``
+    (the same window rule, in Rust: one call per token, ~10x cheaper than two ``decode`` calls
+    from Python); :meth:`_step` is the same rule in Python, used for the final flush and
+    whenever the stream cannot follow (a decoder that rewrote earlier text, an old
+    ``tokenizers``). The offsets are kept here either way, so the stream is rebuilt from them
+    after a handover or unpickling (it holds no state of its own that the offsets do not).
+
     Caveat: for *invalid* UTF-8 a one-shot decode may rewrite earlier characters (the
     ``tokenizers`` ByteFallback decoder turns every byte of an invalid ``<0xNN>`` run into U+FFFD,
     e.g. ``<0x0A>`` then a stray ``<0x80>``); text already streamed is never taken back, so only
@@ -150,6 +166,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self._ids)
         self._num_context = len(self._ids)
         self._chunks: list[str] = []
+        self._stream = None  # opened on first use (_open_stream)
 
     def _context_of(self, prompt_ids: list[int], context_tokens: int) -> list[int]:
         """The last ``context_tokens`` prompt ids, trimmed so they start on a character boundary.
@@ -166,17 +183,24 @@ class IncrementalDetokenizer:
         return []
 
     def get_state(self) -> dict:
-        """Everything but the tokenizer, as plain values (a handover: ``engine/handover.py``)."""
-        return {k: v for k, v in vars(self).items() if k != "tokenizer"}
+        """Everything but the tokenizer and the stream, as plain values (a handover:
+        ``engine/handover.py``)."""
+        return {k: v for k, v in vars(self).items() if k not in ("tokenizer", "_stream")}
 
     @classmethod
     def from_state(cls, tokenizer: Tokenizer, state: dict) -> IncrementalDetokenizer:
         """A detokenizer continuing where the one ``get_state`` was read from stopped."""
         detok = cls.__new__(cls)
-        detok.tokenizer = tokenizer
+        detok.tokenizer, detok._stream = tokenizer, None
         for key, value in state.items():
             setattr(detok, key, list(value) if isinstance(value, list) else value)
         return detok
+
+    def __getstate__(self) -> dict:  # pickling (engine snapshots): the stream is rebuilt
+        return {**self.get_state(), "tokenizer": self.tokenizer}
+
+    def __setstate__(self, state: dict) -> None:
+        vars(self).update(state, _stream=None)
 
     @property
     def text(self) -> str:
@@ -203,19 +227,83 @@ class IncrementalDetokenizer:
             # An incomplete character, or no new text (a skipped special token: moving the
             # window past it would lose the space a SentencePiece decoder strips at the start
             # of a decode), or a decoder that shrank the text: wait for more.
-            return ""
-        delta = full_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self._ids)
+            return self._release_held(prefix_text, full_text)
+        return self._emit(full_text[len(prefix_text) :], len(self._ids))
+
+    def _emit(self, delta: str, upto: int) -> str:
+        """Text up to token ``upto`` is out: the window moves on."""
+        self.prefix_offset, self.read_offset = self.read_offset, upto
         if delta:
             self._chunks.append(delta)
         return delta
 
+    def _release_held(self, prefix_text: str | None = None, full_text: str | None = None) -> str:
+        """Keep held-back text bounded: past ``_MAX_HELD`` tokens the held text cannot be one
+        unfinished character (invalid bytes, e.g. a model emitting stray byte tokens), and
+        holding it would make every later token decode an ever longer window. Emit it but for
+        the last ``_KEEP_HELD`` tokens, if their text is a prefix of the whole window's (so a
+        character that those tokens complete is never split); else keep waiting."""
+        held = len(self._ids) - self.read_offset
+        if held <= _MAX_HELD:
+            return ""
+        if prefix_text is None:
+            prefix_text = self._decode(self.prefix_offset, self.read_offset)
+            full_text = self._decode(self.prefix_offset, len(self._ids))
+        upto = len(self._ids) - _KEEP_HELD
+        cut_text = self._decode(self.prefix_offset, upto)
+        if len(cut_text) <= len(prefix_text) or not full_text.startswith(cut_text):
+            return ""
+        self._stream = None  # rebuilt from the new offsets
+        return self._emit(cut_text[len(prefix_text) :], upto)
+
     def add_tokens(self, ids: Sequence[int]) -> str:
         """Append generated ``ids``; return the newly completed text (possibly ``""``)."""
-        self._ids.extend(int(i) for i in ids)
-        return self._step(final=False)
+        deltas = []
+        for token in ids:
+            self._ids.append(int(token))
+            delta = self._step_streamed()
+            if delta:
+                deltas.append(delta)
+        return "".join(deltas)
 
     def flush(self) -> str:
         """At end of generation: emit whatever is held back, even if it ends in U+FFFD."""
+        self._stream = None  # the offsets move without it
         return self._step(final=True)
+
+    def _step_streamed(self) -> str:
+        """:meth:`_step` for the newest token, through the ``DecodeStream`` when it can."""
+        stream = self._stream if self._stream is not None else self._open_stream()
+        if stream is None:
+            return self._step(final=False)
+        try:
+            delta = stream.step(self.tokenizer.backend, self._ids[-1])
+        except Exception:  # tokenizers' InvalidPrefix: the decoder rewrote earlier text
+            self._stream = None  # rebuilt from the offsets the reference step leaves
+            return self._step(final=False)
+        if delta is None:
+            return self._release_held()
+        return self._emit(delta, len(self._ids))
+
+    def _open_stream(self):
+        """A ``DecodeStream`` in this detokenizer's state, the newest token not yet stepped:
+        the emitted window as context, then the held-back tokens replayed (each must stay held
+        back, as it did here; if one does not, None: the reference path takes this token).
+        None too while the emitted window ends in U+FFFD (after :meth:`_release_held`)."""
+        if _DecodeStream is None:
+            return None
+        window = self._ids[self.prefix_offset : self.read_offset]
+        if window and self._decode(self.prefix_offset, self.read_offset).endswith(
+            _REPLACEMENT_CHAR
+        ):
+            return None  # DecodeStream takes such a context as no text at all
+        stream = _DecodeStream(window, self.skip_special_tokens)
+        backend = self.tokenizer.backend
+        try:
+            for token in self._ids[self.read_offset : -1]:
+                if stream.step(backend, token) is not None:
+                    return None
+        except Exception:
+            return None
+        self._stream = stream
+        return stream

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -240,6 +241,58 @@ def test_prompt_context_continues_text(
     if "\ufffd" in prompt_text or not full.startswith(prompt_text):
         return  # prompt ends mid-character: no well-defined continuation
     assert "".join(_stream(any_tok, ids[k:], sizes, ids[:k])) == full[len(prompt_text) :]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=_FIXTURE_OK)
+@given(
+    text=st.text(alphabet=st.sampled_from(ALPHABET), min_size=1, max_size=30),
+    cut=st.floats(min_value=0.0, max_value=1.0),
+    how=st.sampled_from(["state", "pickle"]),
+)
+def test_handover_mid_stream_continues(any_tok: Tokenizer, text: str, cut: float, how: str) -> None:
+    """A detokenizer read with get_state (or pickled) anywhere, held-back bytes included, and
+    rebuilt continues with the same deltas as one that never stopped."""
+    ids = any_tok.encode(text, add_special_tokens=False)
+    k = int(cut * len(ids))
+    whole = IncrementalDetokenizer(any_tok)
+    expected = [whole.add_tokens([i]) for i in ids] + [whole.flush()]
+    first = IncrementalDetokenizer(any_tok)
+    got = [first.add_tokens([i]) for i in ids[:k]]
+    if how == "state":
+        second = IncrementalDetokenizer.from_state(
+            any_tok, json.loads(json.dumps(first.get_state()))
+        )
+    else:
+        second = pickle.loads(pickle.dumps(first))
+    got += [second.add_tokens([i]) for i in ids[k:]] + [second.flush()]
+    assert got == expected
+    assert second.text == "".join(expected)
+
+
+def test_stream_decodes_in_rust(byte_tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past opening the stream, a token costs one ``DecodeStream.step`` (no Python decode)."""
+    ids = byte_tok.encode(CORPUS[0] + CORPUS[2], add_special_tokens=False)
+    detok = IncrementalDetokenizer(byte_tok, ids[:8])
+    calls = []
+    monkeypatch.setattr(byte_tok, "decode", lambda *a, **k: calls.append(a) or "")
+    streamed = "".join(detok.add_tokens([i]) for i in ids[8:])
+    assert len(calls) <= 1 and streamed  # one decode of the context to open the stream
+    monkeypatch.undo()
+    assert streamed + detok.flush() == byte_tok.decode(ids)[len(byte_tok.decode(ids[:8])) :]
+
+
+def test_invalid_bytes_held_back_boundedly(byte_tok: Tokenizer) -> None:
+    """A run of stray bytes always ends in U+FFFD; it goes out a few tokens behind instead of
+    growing the decoded window (and the host time per token) without end. Still exact."""
+    stray = byte_tok.token_to_id("Ã")  # byte 0xC3: a lead byte, never completed here
+    ids = [stray] * 300 + byte_tok.encode(" ok é", add_special_tokens=False)
+    detok = IncrementalDetokenizer(byte_tok)
+    widest = 0
+    for i in ids:
+        detok.add_tokens([i])
+        widest = max(widest, len(detok._ids) - detok.prefix_offset)
+    assert widest <= 24
+    assert detok.text + detok.flush() == byte_tok.decode(ids)
 
 
 def test_sp_leading_space_kept_with_prompt(sp_tok: Tokenizer) -> None:
