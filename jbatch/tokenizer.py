@@ -297,9 +297,9 @@ class IncrementalDetokenizer:
             _REPLACEMENT_CHAR
         ):
             return None  # DecodeStream takes such a context as no text at all
-        stream = _DecodeStream(window, self.skip_special_tokens)
         backend = self.tokenizer.backend
-        try:
+        try:  # (a DecodeStream without a context argument: tokenizers < 0.22)
+            stream = _DecodeStream(window, self.skip_special_tokens)
             for token in self._ids[self.read_offset : -1]:
                 if stream.step(backend, token) is not None:
                     return None
