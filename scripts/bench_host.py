@@ -1,14 +1,15 @@
 """Host time per engine step, dispatches per step, and O(1) host work per token.
 
-    python scripts/bench_host.py [--slots 32] [--out docs/bench_host]
+    python scripts/bench_host.py [--slots 32] [--decode-steps 1 4 8] [--out docs/bench_host]
 
-Three measurements (prints a table, writes OUT.json):
-1. **Demo model, ``--slots`` slots**, a long-tail workload through ``LLMEngine.step()``: wall time
+Three measurements (prints tables, writes OUT.json and OUT.png):
+1. **Demo model, ``--slots`` slots**, per ``EngineConfig.decode_steps`` value (blocks of decode
+   steps per dispatch; 1: off), a long-tail workload through ``LLMEngine.step()``: wall time
    per step, host time per step (``step()`` wall time minus the time it blocked on device
    results, ``EngineStats.host_only_seconds``) and its share of the step, of it the time inside
    the jitted calls that launch steps (``EngineStats.dispatch_seconds``: JAX/XLA preparing each
    execution), jitted dispatches per step (``EngineStats.dispatches``; 1 = the one step
-   program, swaps add their own).
+   program, swaps add their own; a block of decode steps is one dispatch for several steps).
 2. **Continuous vs static batching** on a random 2-layer, 64-wide Llama (vocab 384): 256
    requests through 8 slots, 10% with 256-512 output tokens, the rest 4-32
    (``bench_batching.py``'s workload and runner), against the step-count ceiling: ``--reps``
@@ -40,12 +41,16 @@ from jbatch.engine.mock_core import MockCore
 from jbatch.tiny_model import write_random_llama
 
 
-def demo_host_time(slots: int, requests: int, seed: int) -> dict:
-    llm = LLM(
+def demo_engine(slots: int, decode_steps: int) -> LLM:
+    return LLM(
         str(demo_model_path()), max_slots=slots, num_pages=2048, max_seq_len=512,
-        max_num_batched_tokens=256,
+        max_num_batched_tokens=256, decode_steps=decode_steps,
     )  # fmt: skip
+
+
+def demo_host_time(llm: LLM, requests: int, seed: int) -> dict:
     eng = llm.engine
+    slots = eng.cfg.max_slots
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, 500, rng.integers(16, 64)).tolist() for _ in range(requests)]
     lens = np.clip(rng.lognormal(np.log(48), 0.8, requests), 8, 400).astype(int)
@@ -61,6 +66,7 @@ def demo_host_time(slots: int, requests: int, seed: int) -> dict:
     dispatch = after.dispatch_seconds - before.dispatch_seconds
     return {
         "slots": slots,
+        "decode_steps": eng.cfg.decode_steps,
         "requests": requests,
         "output_tokens": int(lens.sum()),
         "steps": steps,
@@ -71,6 +77,18 @@ def demo_host_time(slots: int, requests: int, seed: int) -> dict:
         "dispatches_per_step": (after.dispatches - before.dispatches) / steps,
         "tok_per_s": int(lens.sum()) / wall,
     }
+
+
+def demo_runs(slots: int, requests: int, seed: int, decode_steps: list[int], reps: int):
+    """One engine per ``decode_steps`` value, their runs interleaved ``reps`` times; per value
+    the run with the median throughput (and every run)."""
+    engines = {n: demo_engine(slots, n) for n in decode_steps}
+    runs: dict[int, list[dict]] = {n: [] for n in decode_steps}
+    for _ in range(reps):
+        for n, llm in engines.items():
+            runs[n].append(demo_host_time(llm, requests, seed))
+    median = lambda rs: sorted(rs, key=lambda r: r["tok_per_s"])[len(rs) // 2]
+    return [dict(median(rs), runs=rs) for rs in runs.values()]
 
 
 def continuous_vs_static(seed: int, reps: int) -> dict:
@@ -157,20 +175,25 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decode-steps", type=int, nargs="+", default=[1, 4, 8],
+                    help="EngineConfig.decode_steps values of the demo runs")  # fmt: skip
+    ap.add_argument("--demo-reps", type=int, default=1, help="interleaved demo runs per value")
     ap.add_argument("--reps", type=int, default=5, help="interleaved static/continuous pairs")
     ap.add_argument("--out", default="docs/bench_host")
     args = ap.parse_args()
-    demo = demo_host_time(args.slots, args.requests, args.seed)
+    demo = demo_runs(args.slots, args.requests, args.seed, args.decode_steps, args.demo_reps)
     batching = continuous_vs_static(args.seed, args.reps)
     tokens = per_token_cost()
-    print(f"\n1. demo model, {demo['slots']} slots, {demo['requests']} long-tail requests")
-    print(f"{'wall ms/step':>13} {'host ms/step':>13} {'of it, dispatch':>16} {'host share':>11} "
-          f"{'dispatches/step':>16}")  # fmt: skip
-    print(
-        f"{demo['wall_ms_per_step']:13.2f} {demo['host_ms_per_step']:13.3f} "
-        f"{demo['dispatch_ms_per_step']:16.3f} {demo['host_share_of_step']:11.1%} "
-        f"{demo['dispatches_per_step']:16.2f}"
-    )
+    print(f"\n1. demo model, {args.slots} slots, {args.requests} long-tail requests "
+          f"(median of {args.demo_reps} interleaved runs)")  # fmt: skip
+    print(f"{'decode_steps':>12} {'wall ms/step':>13} {'host ms/step':>13} {'of it, dispatch':>16} "
+          f"{'host share':>11} {'dispatches/step':>16} {'tok/s':>8}")  # fmt: skip
+    for d in demo:
+        print(
+            f"{d['decode_steps']:12d} {d['wall_ms_per_step']:13.2f} {d['host_ms_per_step']:13.3f} "
+            f"{d['dispatch_ms_per_step']:16.3f} {d['host_share_of_step']:11.1%} "
+            f"{d['dispatches_per_step']:16.2f} {d['tok_per_s']:8.0f}"
+        )
     print("\n2. 2-layer 64-wide Llama, 256 requests, 8 slots (10% 256-512 tokens, rest 4-32), "
           f"{args.reps} interleaved runs each")  # fmt: skip
     for mode, rs in batching["results"].items():
@@ -196,7 +219,28 @@ def main() -> None:
     out = Path(args.out).with_suffix(".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1))
-    print(f"wrote {out}")
+    plot(demo, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def plot(demo: list[dict], path: Path) -> None:
+    """Host share of the step and throughput per ``decode_steps`` value (demo model)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [str(d["decode_steps"]) for d in demo]
+    fig, (share, tput) = plt.subplots(1, 2, figsize=(9, 3.5))
+    share.bar(labels, [100 * d["host_share_of_step"] for d in demo], color="tab:orange")
+    share.axhline(10, color="gray", linestyle="--", label="target 10%")
+    share.set(xlabel="decode_steps", ylabel="host share of the step (%)", title="host time")
+    share.legend()
+    tput.bar(labels, [d["tok_per_s"] for d in demo], color="tab:blue")
+    tput.set(xlabel="decode_steps", ylabel="output tokens/s", title="throughput")
+    fig.suptitle(f"demo model, {demo[0]['slots']} slots, {demo[0]['requests']} requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -269,3 +269,42 @@ def test_aborting_a_retiring_request_frees_its_pages():
     tokens = run_all(eng)
     assert tokens[second] == expected_tokens([8, 9, 10], 3, 0, False, VOCAB)
     assert sched.allocator.num_used == 0
+
+
+def test_blocks_of_decode_steps_stream_several_tokens_per_dispatch():
+    """``decode_steps=4``: once every request decodes, a dispatch runs up to 4 steps and each
+    request's delta carries the tokens it got; a stop token inside a block ends the request
+    there (its other rows are dropped, its pages freed); outputs are the mock's exact ones."""
+    eng = mock_engine(max_slots=3, decode_steps=4)
+    prompts = [[3 + i, 4 + i, 5 + i] for i in range(3)]
+    full = expected_tokens(prompts[0], 20, 0, False, VOCAB)
+    stop = full[9]
+    ids = [eng.add_request(prompts[0], greedy(20).replace(stop_token_ids=[stop]))]
+    ids += [eng.add_request(p, greedy(4 + 7 * i)) for i, p in enumerate(prompts[1:], 1)]
+    sizes = []
+    got: dict[str, list[int]] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            sizes.append(len(out.outputs[0].token_ids))
+            got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        eng.scheduler.check_invariants()
+    assert got[ids[0]] == full[: full.index(stop) + 1]
+    assert eng.requests[ids[0]].finish_reason == "stop"
+    for i in (1, 2):
+        assert got[ids[i]] == expected_tokens(prompts[i], 4 + 7 * i, 0, False, VOCAB)
+    stats = eng.stats()
+    assert stats.dispatches < stats.steps and max(sizes) == 4
+    assert eng.scheduler.allocator.num_used == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(decode_steps=0), "decode_steps must be a positive int"),
+        (dict(decode_steps=4, speculative="ngram"), "decode_steps=4 with speculative"),
+        (dict(decode_steps=2, role="prefill"), "decode_steps=2 with role='prefill'"),
+    ],
+)
+def test_bad_decode_steps_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)

@@ -69,10 +69,11 @@ request = st.fixed_dictionaries(
     async_scheduling=st.booleans(),
     preemption=st.sampled_from(["recompute", "swap", "auto"]),
     policy=st.sampled_from(SCHEDULING_POLICIES),
+    decode_steps=st.sampled_from([1, 1, 3, 4]),
 )
 def test_random_workloads_keep_invariants_and_exact_outputs(
     reqs, slots, page_size, spare_pages, budget, caching, aging, async_scheduling, preemption,
-    policy,
+    policy, decode_steps,
 ):  # fmt: skip
     max_seq_len = 48
     eng = mock_engine(
@@ -87,6 +88,7 @@ def test_random_workloads_keep_invariants_and_exact_outputs(
         preemption_mode=preemption,
         scheduling_policy=policy,
         tenant_weights={"a": 2.0},
+        decode_steps=decode_steps,
     )
     rng = np.random.RandomState(0)
     prefixes = [rng.randint(3, VOCAB, n).tolist() for n in (0, 9, 22)]

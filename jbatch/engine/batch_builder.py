@@ -20,6 +20,7 @@ def build_step_input(cfg: EngineConfig, core, sched: SchedulerOutput) -> StepInp
     for seq in sched.inserts:
         _fill_insert(cfg, inp.insert, seq)
     _fill_step(cfg, inp.batch, sched)
+    inp.batch.decode_steps[0] = sched.steps  # a block of decode steps (decode-only programs)
     logprob_host.fill_step(inp.batch, sched, chunk_rows(sched.chunks, cfg.block_q))
     return inp
 

@@ -112,9 +112,18 @@ def pick_handover_bucket(cfg: EngineConfig, pages: int) -> int:
 
 def max_page_writes(cfg: EngineConfig) -> int:
     """Upper bound on page-table entries one step assigns: a new page per decoding slot, plus
-    each prompt chunk's pages (a chunk may straddle one extra page boundary)."""
+    each prompt chunk's pages (a chunk may straddle one extra page boundary); a block of
+    ``decode_steps`` decode steps (``core.decode_block``) gives each slot the pages its
+    positions span at once."""
     top = prefill_buckets(cfg)[-1]
-    return cfg.max_slots + top // cfg.page_size + top // cfg.block_q + 1
+    block = cfg.max_slots * (-(-(cfg.decode_steps - 1) // cfg.page_size) + 1)
+    return max(cfg.max_slots + top // cfg.page_size + top // cfg.block_q + 1, block)
+
+
+def runs_blocks(cfg: EngineConfig, rows: int) -> bool:
+    """Whether the program of ``rows`` prompt rows is a block of up to ``decode_steps`` decode
+    steps (``core.decode_block``): the decode-only programs, when ``decode_steps`` > 1."""
+    return rows == 0 and cfg.decode_steps > 1
 
 
 def spec_buckets(cfg: EngineConfig) -> tuple[int, ...]:

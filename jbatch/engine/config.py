@@ -89,6 +89,14 @@ class EngineConfig:
     ngram_min / ngram_max: the n-gram lengths the proposer tries, longest first. ``ngram_min``
         1 (vLLM's prompt-lookup default too): a lone matching token still proposes — the K + 1
         rows run whether or not a group proposes, so a guess costs nothing when it is wrong.
+    decode_steps: decode steps one dispatch may run (``core.decode_block``; vLLM V0's
+        ``num_scheduler_steps``): when every running request is past its prompt and none needs
+        the host between tokens (a grammar, top logprobs), and no waiting request could take a
+        free slot, the scheduler plans a block of up to this many decode steps, run in one
+        program (``lax.fori_loop``) — the launch and the planning are paid once per block.
+        The cost: a request that stops early (EOS, stop string) wastes the rest of its block's
+        rows, a free slot waits for the block to end, and text streams a block at a time.
+        1: off (one step per dispatch). Not with speculative decoding.
     tp: tensor parallelism — devices one engine replica's model and KV pool are split over.
     dp: data parallelism — engine replicas (each on its own ``tp`` devices) behind one router.
     role: what the engine runs (``docs/scaling.md``, disaggregation): "mixed" (prompts and
@@ -124,6 +132,7 @@ class EngineConfig:
     speculative_max_batch: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
+    decode_steps: int = 1
     tp: int = 1
     dp: int = 1
     role: str = "mixed"
@@ -140,6 +149,7 @@ class EngineConfig:
             "speculative_max_batch",
             "ngram_min",
             "ngram_max",
+            "decode_steps",
             "tp",
             "dp",
         ):
@@ -161,6 +171,11 @@ class EngineConfig:
             )
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role == "prefill" and self.decode_steps > 1:
+            raise ValueError(
+                f"decode_steps={self.decode_steps} with role='prefill': a prefill engine never "
+                f"decodes (set it on the decode engine)"
+            )
         if self.role == "prefill" and self.speculative is not None:
             raise ValueError(
                 f"speculative={self.speculative!r} with role='prefill': a prefill engine never "
@@ -226,6 +241,11 @@ class EngineConfig:
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}"
+            )
+        if self.speculative is not None and self.decode_steps > 1:
+            raise ValueError(
+                f"decode_steps={self.decode_steps} with speculative={self.speculative!r}: a "
+                f"speculative step already emits several tokens per dispatch (use one of them)"
             )
         if self.speculative is None:
             return

@@ -56,6 +56,9 @@ class StepResult:
     # [G]) per group, in the order of its input's ``group_slots`` (``spec_step.py``); None for
     # other steps.
     spec: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    # A block of decode steps (``core.decode_block``): (tokens, sampled, logprobs), each
+    # ``[steps, slots]``, step by step; the fields above are its first step's. None otherwise.
+    block: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 @dataclasses.dataclass
@@ -144,7 +147,8 @@ class EngineCore:
         program = self._steps[key] if program is None else program
         state, packed = program(params, state, inp.ints, inp.floats, self._mask(bitmask))
         self.programs_run[key] += 1
-        return state, self._dispatched_step(inp, packed)
+        block = int(inp.batch.decode_steps[0]) if buckets.runs_blocks(self.cfg, key[0]) else 0
+        return state, self._dispatched_step(inp, packed, block)
 
     def forward(self, params: dict, state: EngineState, inp: StepInput):
         """Dispatch the forward half of a step (``split_step.py``; ``structured_overlap``)."""
@@ -163,7 +167,7 @@ class EngineCore:
         # Committed to the state's placement like the all-ones mask (one cache key: no compile).
         return self._allow_all if bitmask is None else jax.device_put(bitmask, self.device)
 
-    def _dispatched_step(self, inp: StepInput, packed) -> _Pending:
+    def _dispatched_step(self, inp: StepInput, packed, block: int = 0) -> _Pending:
         self._used_inputs.append((self._dispatched, inp))
         self._dispatched += 1
         # The host reads one copy of the replicated result (with several processes: its own).
@@ -172,14 +176,18 @@ class EngineCore:
         spec = None
         if _key_of(inp)[0] == "spec":
             spec = inp.batch.group_slots.shape[0], self.cfg.num_speculative_tokens + 1
-        return _Pending(self._dispatched - 1, packed, local, spec)
+        return _Pending(self._dispatched - 1, packed, local, spec, block)
 
     def fetch(self, pending: _Pending) -> StepResult:
         """Wait for a dispatched step's results."""
-        packed, spec = np.asarray(pending.local), None
+        packed, spec, block = np.asarray(pending.local), None, None
         if pending.spec is not None:
             spec, packed = unpack_spec(packed, *pending.spec)
-        result = StepResult(*unpack_output(packed, self.cfg.max_slots), spec=spec)
+        if pending.block:  # one row per step of the block; the first is the result's head
+            rows = packed.reshape(self.cfg.decode_steps, -1)
+            steps = [unpack_output(row, self.cfg.max_slots)[:3] for row in rows[: pending.block]]
+            block, packed = tuple(np.stack(field) for field in zip(*steps)), rows[0]
+        result = StepResult(*unpack_output(packed, self.cfg.max_slots), spec=spec, block=block)
         # Its input may be recycled only once *every* device has finished the step: one
         # device's copy of the result can be ready while another still reads the input.
         jax.block_until_ready(pending.packed)
@@ -319,6 +327,7 @@ class _Pending:
     packed: Int32[Array, " n"]
     local: Int32[Array, " n"]
     spec: tuple[int, int] | None = None  # a speculative step's (groups, K + 1)
+    block: int = 0  # a block of decode steps: how many it runs (``core.decode_block``)
 
 
 def _key_of(inp: StepInput) -> tuple:

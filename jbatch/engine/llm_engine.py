@@ -228,7 +228,8 @@ class LLMEngine:
                 early.append((prev, result, step_results.advance_grammars(prev, result.tokens)))
                 self.counters["constrained_steps"] += 1
 
-        sched = self.scheduler.schedule(self._speculator.propose if spec else None)
+        steps = 1 if spec else self.scheduler.block_steps()  # > 1: a block of decode steps
+        sched = self.scheduler.schedule(self._speculator.propose if spec else None, steps)
         split = lockstep and self.cfg.structured_overlap
         dispatched = self._dispatch(sched, feed_grammars, split)
         feed_grammars()  # if nothing was dispatched
@@ -289,8 +290,8 @@ class LLMEngine:
             counters["dispatches"] += 1
         if not work:
             return False
-        counters["steps"] += 1
-        counters["decode_rows"] += len(sched.decodes)
+        counters["steps"] += sched.steps
+        counters["decode_rows"] += len(sched.decodes) * sched.steps
         if self.scheduler.waiting:  # slot utilization while requests queue for a slot
             counters["steps_while_queued"] += 1
             counters["busy_slots_while_queued"] += len(self.scheduler.running)
@@ -334,7 +335,7 @@ class LLMEngine:
         done = time.perf_counter()
         self.counters["device_wait_seconds"] += done - t0
         pacer = self.scheduler.pacer
-        if pacer is not None:  # the step ran from its dispatch or the previous result on
+        if pacer is not None and sched.steps == 1:  # it ran from its dispatch or the last result
             took = done - max(sched.dispatched_at, self._last_result_at)
             pacer.observe(took, sched.paced_pairs, len(sched.decodes))
         self._last_result_at = done

@@ -15,6 +15,7 @@ import types
 
 import numpy as np
 
+from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.engine_core import StepResult
 from jbatch.engine.state import decodes
@@ -78,7 +79,16 @@ class MockCore:
     def step(self, params, st: MockState, inp: StepInput, bitmask=None):
         release, ins, batch = inp.structured()
         st = self.insert(self.release(st, release), ins)
-        st, out = self._step(st, batch, bitmask)
+        if buckets.runs_blocks(self.cfg, inp.layout.key[0]):  # as core.decode_block
+            steps = []
+            for _ in range(int(np.clip(batch.decode_steps[0], 1, self.cfg.decode_steps))):
+                st, one = self._step(st, batch, bitmask)
+                steps.append((one.tokens, one.sampled, one.logprobs))
+            block = tuple(np.stack(field) for field in zip(*steps))
+            out = types.SimpleNamespace(**dict(zip(("tokens", "sampled", "logprobs"), steps[0])))
+            out.block = block
+        else:
+            st, out = self._step(st, batch, bitmask)
         out.input = inp
         return st, out
 
@@ -87,7 +97,7 @@ class MockCore:
         if inp is not None:
             self._spare.put(inp)
             out.input = None
-        return StepResult(out.tokens, out.sampled, out.logprobs)
+        return StepResult(out.tokens, out.sampled, out.logprobs, block=getattr(out, "block", None))
 
     def init_state(self) -> MockState:
         s, c = self.cfg.max_slots, self.cfg

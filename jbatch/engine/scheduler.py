@@ -97,9 +97,9 @@ class Scheduler:
         self.pending_releases.append(seq.slot)
         seq.slot = None
 
-    def _sampled(self, seq: Request) -> None:
-        """Count one scheduled sample of ``seq``; note it when it was the last one."""
-        seq.num_sampled += 1
+    def _sampled(self, seq: Request, n: int = 1) -> None:
+        """Count ``n`` scheduled samples of ``seq`` (one step's); note it when it got its last."""
+        seq.num_sampled += n
         seq.inflight += 1
         if seq.num_sampled >= seq.max_tokens and self.cfg.role != "prefill":
             self._last_samples.append(seq)
@@ -196,21 +196,23 @@ class Scheduler:
         self._register_full_pages(seq, min(seq.num_tokens - 1, seq.num_computed))
 
     # ---- the step ------------------------------------------------------------------------------
-    def schedule(self, propose=None) -> SchedulerOutput:
+    def schedule(self, propose=None, steps: int = 1) -> SchedulerOutput:
         """Plan one step. ``propose(seq, cap) -> Proposal | None``: plan a speculative step
-        instead — decodes only, each with its proposal (pages for all of it, or none)."""
+        instead — decodes only, each with its proposal (pages for all of it, or none).
+        ``steps`` > 1 (from :meth:`block_steps`): plan a block of that many decode steps —
+        decodes only, each request up to its token budget, with pages for all of them."""
         self.num_steps += 1
         self._retire()
-        out = SchedulerOutput()
+        out = SchedulerOutput(steps=steps)
         running = list(self.running.values())
         self.victim_order.begin_step(running)
         # Scheduling order: the reverse of eviction. The keys are fixed for the step, so one
         # sort serves decodes and prompt chunks (the preempted are skipped by status).
         order = sorted(running, key=self._victim_key)
-        if propose is not None:
-            out.drafts = []
+        if propose is not None or steps > 1:
+            out.drafts = [] if propose is not None else None
             self._schedule_decodes(out, order, propose)
-            if all(p is None for p in out.drafts):
+            if out.drafts is not None and all(p is None for p in out.drafts):
                 out.drafts = None  # nothing to verify: an ordinary decode step
             out.releases, self.pending_releases = self.pending_releases, []
             return out
@@ -245,7 +247,8 @@ class Scheduler:
             if seq.status is not RequestStatus.RUNNING or not seq.can_decode:
                 continue
             drafts = self._proposal(seq, propose, out) if propose is not None else None
-            while not self._grow(seq, self._reach(seq, 0), out):
+            n = min(out.steps, seq.max_tokens - seq.num_sampled)  # tokens it decodes
+            while not self._grow(seq, self._reach(seq, n - 1), out):
                 victim = self._victim()
                 self._preempt(victim, out)
                 if victim is seq:
@@ -255,11 +258,30 @@ class Scheduler:
                 if out.drafts is not None:
                     out.drafts.append(drafts)
                 out.samplers.append((seq, seq.slot))
-                seq.num_computed += 1
-                self._sampled(seq)
-                tenants[seq.tenant] = tenants.get(seq.tenant, 0) + 1
+                seq.num_computed += n
+                self._sampled(seq, n)
+                tenants[seq.tenant] = tenants.get(seq.tenant, 0) + n
         for tenant, n in tenants.items():
             self.ledger.charge(tenant, output=n)
+
+    def block_steps(self) -> int:
+        """Decode steps the next step may run as one block (``EngineConfig.decode_steps``;
+        1: an ordinary step): every running request is past its prompt and needs nothing from
+        the host between its tokens (a grammar's mask, top logprobs), no waiting request could
+        take a slot free now or at this step's retirement, and the pool has the pages every
+        request's whole block needs (planning a block never preempts)."""
+        steps = self.cfg.decode_steps
+        admits = self.waiting and (self.free_slots or self._last_samples)
+        if steps == 1 or not self.running or admits:
+            return 1
+        need = 0
+        for seq in self.running.values():
+            if seq.prefilling or seq.matcher is not None or seq.params.logprobs is not None:
+                return 1
+            if seq.can_decode:
+                reach = self._reach(seq, min(steps, seq.max_tokens - seq.num_sampled) - 1)
+                need += max(0, self._pages_short(seq, reach))
+        return steps if need <= self.allocator.num_free else 1
 
     def _schedule_handovers(self, out: SchedulerOutput) -> None:
         """Prefill role: a request whose last prompt chunk went out in an earlier step (its

@@ -61,6 +61,9 @@ class SchedulerOutput:
     # A speculative step (``spec_step.py``; decode only): each decode's proposal (None: it
     # decodes one token), in the order of ``decodes``; None for an ordinary step.
     drafts: list[Proposal | None] | None = None
+    # Decode steps the step runs as one block (``Scheduler.block_steps``; decode only: each
+    # decode gets up to this many tokens, its token budget permitting); 1 for ordinary steps.
+    steps: int = 1
 
     @property
     def empty(self) -> bool:

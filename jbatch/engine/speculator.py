@@ -18,8 +18,9 @@ how a speculative step's results become each request's tokens.
      proposes. A draft model proposes on the device from the real last token too;
    - the device clips every group to its request's token budget and the pool it knows (the
      host's counters are lower bounds while a step runs).
-3. ``emitted``: per request, the tokens a step gave it — one for ordinary steps, the accepted
-   proposals plus one for speculative steps, after which ``Scheduler.accept`` advances the
+3. ``emitted``: per request, the tokens a step gave it — one for ordinary steps, one per step
+   it decoded in a block of decode steps (``core.decode_block``), the accepted proposals plus
+   one for speculative steps, after which ``Scheduler.accept`` advances the
    request's counters and returns its pages past what the device may still write.
 """
 
@@ -77,6 +78,12 @@ def emitted(
     sched: SchedulerOutput, result, scheduler: Scheduler, counters
 ) -> list[tuple[Request, list[tuple[int, float]]]]:
     """Each sampling request of ``sched`` with its (token, logprob) pairs from ``result``."""
+    if result.block is not None:  # a block of decode steps: each slot's sampled steps
+        tokens, sampled, logprobs = (field.T.tolist() for field in result.block)
+        return [
+            (seq, list(zip(tokens[slot], logprobs[slot]))[: sum(sampled[slot])])
+            for seq, slot in sched.samplers
+        ]
     tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
     if sched.drafts is None:
         return [(seq, [(tokens[slot], logprobs[slot])]) for seq, slot in sched.samplers]

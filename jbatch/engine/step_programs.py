@@ -23,9 +23,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jbatch.engine import swap
+from jbatch.engine import buckets, swap
 from jbatch.engine.config import EngineConfig
-from jbatch.engine.core import engine_step
+from jbatch.engine.core import engine_block, engine_step
 from jbatch.engine.spec_step import engine_spec_step, pack_spec
 from jbatch.engine.split_step import SplitPrograms
 from jbatch.engine.state import init_state
@@ -44,7 +44,21 @@ class StepPrograms:
     split: SplitPrograms | None = None  # structured_overlap's forward / sample halves
 
 
-def packed_step(layout: StepInputLayout, **step_kwargs) -> Callable:
+def packed_step(layout: StepInputLayout, cfg: EngineConfig, **step_kwargs) -> Callable:
+    """The step program of ``layout``'s bucket pair; a decode-only one runs a block of decode
+    steps when the engine has ``decode_steps`` > 1 (``buckets.runs_blocks``), its result the
+    blocks' rows, flattened."""
+    if buckets.runs_blocks(cfg, layout.key[0]):
+
+        def run(params, state, ints, floats, bitmask):
+            state, rows = engine_block(
+                params, state, *layout.unpack(ints, floats), bitmask,
+                max_steps=cfg.decode_steps, **step_kwargs,
+            )  # fmt: skip
+            return state, rows.ravel()
+
+        return run
+
     def run(params, state, ints, floats, bitmask):
         state, out = engine_step(
             params, state, *layout.unpack(ints, floats), bitmask, **step_kwargs
@@ -72,7 +86,7 @@ def single_device(
     spec_layouts: dict[tuple, StepInputLayout],
     step_kwargs: dict,
 ) -> StepPrograms:
-    jit = lambda layout: jax.jit(packed_step(layout, **step_kwargs), donate_argnums=1)
+    jit = lambda layout: jax.jit(packed_step(layout, cfg, **step_kwargs), donate_argnums=1)
     steps = {key: jit(layout) for key, layout in layouts.items()}
     spec_kwargs = dict(
         step_kwargs,
@@ -125,7 +139,7 @@ def sharded(
     # Params keep the shardings they were placed with; the state and every host input are
     # pinned.
     jit = lambda layout: jax.jit(
-        packed_step(layout, **step_kwargs),
+        packed_step(layout, cfg, **step_kwargs),
         in_shardings=(None, st, rep, rep, rep),
         out_shardings=(st, rep),
         donate_argnums=1,

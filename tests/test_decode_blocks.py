@@ -1,0 +1,135 @@
+"""Blocks of decode steps (``EngineConfig.decode_steps``; ``core.decode_block``) on a real model:
+greedy output is HF's under swap preemption and prefix caching, every kind of request gets the
+same tokens as step by step (seeded sampling included), stop conditions cut inside a block, no
+program compiles after warm-up and no page leaks with random aborts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jbatch import LLM, SamplingParams
+from tests.compile_counter import count_compiles
+from tests.test_engine import assert_drained, assert_teacher_forced
+
+BLOCKS = dict(
+    max_slots=4,
+    page_size=8,
+    num_pages=36,
+    max_num_batched_tokens=32,
+    max_seq_len=160,
+    block_q=16,
+    preemption_mode="swap",
+    debug_checks=True,
+    decode_steps=4,
+)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def prompts(n: int, seed: int, vocab: int = 384) -> list[list[int]]:
+    rng = np.random.RandomState(seed)
+    return [rng.randint(3, vocab, int(rng.randint(2, 20))).tolist() for _ in range(n)]
+
+
+def assert_blocks_ran(llm: LLM, before) -> None:
+    """Most model steps since ``before`` ran in blocks (fewer dispatches than steps)."""
+    stats = llm.engine.stats()
+    steps, dispatches = stats.steps - before.steps, stats.dispatches - before.dispatches
+    assert dispatches < 0.7 * steps, f"{dispatches} dispatches for {steps} steps: few blocks"
+
+
+@pytest.fixture(scope="module")
+def engines(hf_checkpoint):
+    """The llama checkpoint with blocks of 4 decode steps, and step by step."""
+    path, model = hf_checkpoint("llama")
+    return LLM(path, **BLOCKS), LLM(path, **{**BLOCKS, "decode_steps": 1}), model
+
+
+def test_greedy_blocks_are_hfs_under_swap_and_prefix_cache(engines):
+    """More work than the pool holds (swap preemption), a shared system prefix: HF's tokens,
+    blocks of several steps per dispatch, nothing compiled."""
+    llm, _, model = engines
+    rng = np.random.RandomState(4)
+    system = rng.randint(3, 384, 16).tolist()
+    batch = [system + p for p in prompts(8, seed=5)]
+    params = [GREEDY.replace(max_tokens=int(m)) for m in rng.randint(60, 90, len(batch))]
+    before = llm.engine.stats()
+    with count_compiles() as compiled:
+        outs = llm.generate(batch, params, use_tqdm=False)
+    assert compiled == [], f"compiled after warm-up: {compiled}"
+    for prompt, out, p in zip(batch, outs, params):
+        assert len(out.outputs[0].token_ids) == p.max_tokens
+        assert_teacher_forced(model, prompt, out.outputs[0].token_ids)
+    stats = llm.engine.stats()
+    assert stats.swap_outs > before.swap_outs and stats.prefix_cache_hits > 0
+    assert_blocks_ran(llm, before)
+    assert_drained(llm)
+
+
+def test_every_kind_of_request_gets_the_tokens_of_step_by_step(engines):
+    """Greedy, seeded sampled, penalised, logprob, EOS-stopped and stop-id requests side by
+    side: the same tokens (and texts, logprobs) with blocks as without."""
+    blocks, steps, _ = engines
+    batch = prompts(8, seed=7)
+    base = SamplingParams(max_tokens=30, ignore_eos=True)
+    params = [
+        base.replace(temperature=0.0),
+        base.replace(temperature=0.8, seed=1),
+        base.replace(temperature=1.0, top_k=5, seed=2),
+        base.replace(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3),
+        base.replace(temperature=0.0, logprobs=2),
+        base.replace(temperature=0.7, top_p=0.9, seed=3, ignore_eos=False),
+        base.replace(temperature=0.9, seed=4, repetition_penalty=1.3),
+        base.replace(temperature=0.0, stop_token_ids=[7, 11, 13]),
+    ]
+    before = blocks.engine.stats()
+    with count_compiles() as compiled:
+        got = blocks.generate(batch, params, use_tqdm=False)
+    assert compiled == [], f"compiled after warm-up: {compiled}"
+    assert_blocks_ran(blocks, before)
+    want = steps.generate(batch, params, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+        a_sum, b_sum = a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob
+        np.testing.assert_allclose(a_sum, b_sum, rtol=1e-5)
+    assert got[4].outputs[0].logprobs == want[4].outputs[0].logprobs
+    assert_drained(blocks)
+
+
+def test_stop_conditions_cut_inside_a_block(engines):
+    """A stop token or max_tokens inside a block ends the output exactly there; the block's
+    other rows are dropped and the request's pages come back."""
+    llm, _, _ = engines
+    prompt = prompts(1, seed=9)[0]
+    before = llm.engine.stats()
+    full = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert_blocks_ran(llm, before)
+    for at in (5, 10, 14):
+        stop = full[at]
+        cut = llm.generate([prompt], GREEDY.replace(stop_token_ids=[stop]), use_tqdm=False)[0]
+        assert cut.outputs[0].token_ids == full[: full.index(stop) + 1]
+        assert cut.outputs[0].finish_reason == "stop"
+    for m in (1, 2, 3, 5, 6, 13):
+        short = llm.generate([prompt], GREEDY.replace(max_tokens=m), use_tqdm=False)[0]
+        assert short.outputs[0].token_ids == full[:m]
+    assert_drained(llm)
+
+
+def test_no_page_leaks_with_random_aborts(engines):
+    llm, _, _ = engines
+    engine = llm.engine
+    rng = np.random.RandomState(11)
+    batch = prompts(40, seed=12)
+    live: list[str] = []
+    for i in range(300):
+        p = GREEDY.replace(max_tokens=int(rng.randint(1, 16)))
+        live.append(engine.add_request(batch[i % len(batch)], p))
+        if rng.rand() < 0.5:
+            engine.step()
+        if rng.rand() < 0.15:
+            engine.abort_request(live[rng.randint(len(live))])
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.forget_finished()
+    assert_drained(llm)
