@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover - older tokenizers: the Python reference
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer"]
 
-_REPLACEMENT_CHAR = "\ufffd"
+REPLACEMENT_CHAR = "\ufffd"
 # Tokens held back before the held text is taken for invalid bytes, not one unfinished
 # character (at most 4 bytes, so at most 4 tokens): then all but the last 3 go out.
 _MAX_HELD = 8
@@ -177,7 +177,7 @@ class IncrementalDetokenizer:
         for start in range(max(len(prompt_ids) - context_tokens, 0), len(prompt_ids)):
             window = prompt_ids[start:]
             if not self.tokenizer.decode(window, self.skip_special_tokens).startswith(
-                _REPLACEMENT_CHAR
+                REPLACEMENT_CHAR
             ):
                 return window
         return []
@@ -222,7 +222,7 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self.prefix_offset, self.read_offset)
         full_text = self._decode(self.prefix_offset, len(self._ids))
         if not final and (
-            full_text.endswith(_REPLACEMENT_CHAR) or len(full_text) <= len(prefix_text)
+            full_text.endswith(REPLACEMENT_CHAR) or len(full_text) <= len(prefix_text)
         ):
             # An incomplete character, or no new text (a skipped special token: moving the
             # window past it would lose the space a SentencePiece decoder strips at the start
@@ -266,6 +266,24 @@ class IncrementalDetokenizer:
                 deltas.append(delta)
         return "".join(deltas)
 
+    def decode_rest(self, ids: Sequence[int], final: bool = True) -> str:
+        """Append ``ids`` and return their text at once, for text nobody reads before the end:
+        what :meth:`add_tokens` then :meth:`flush` would return (``final``), or
+        :meth:`add_tokens` alone (not ``final``: an incomplete character at the end stays
+        held back) — one decode of the window instead of a step per token, except when the
+        text ends in an incomplete character without ``final`` (then token by token: what is
+        held back then depends on the path)."""
+        if not final:
+            window = self._ids[self.prefix_offset :] + [int(t) for t in ids]
+            prefix_text = self._decode(self.prefix_offset, self.read_offset)
+            full_text = self.tokenizer.decode(window, self.skip_special_tokens)
+            if full_text.endswith(REPLACEMENT_CHAR) or not full_text.startswith(prefix_text):
+                return self.add_tokens(ids)
+            self._ids.extend(int(t) for t in ids)
+            return self._emit(full_text[len(prefix_text) :], len(self._ids))
+        self._ids.extend(int(t) for t in ids)
+        return self.flush()
+
     def flush(self) -> str:
         """At end of generation: emit whatever is held back, even if it ends in U+FFFD."""
         self._stream = None  # the offsets move without it
@@ -293,9 +311,7 @@ class IncrementalDetokenizer:
         if _DecodeStream is None:
             return None
         window = self._ids[self.prefix_offset : self.read_offset]
-        if window and self._decode(self.prefix_offset, self.read_offset).endswith(
-            _REPLACEMENT_CHAR
-        ):
+        if window and self._decode(self.prefix_offset, self.read_offset).endswith(REPLACEMENT_CHAR):
             return None  # DecodeStream takes such a context as no text at all
         backend = self.tokenizer.backend
         try:  # (a DecodeStream without a context argument: tokenizers < 0.22)

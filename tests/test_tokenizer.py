@@ -347,3 +347,50 @@ def test_matches_transformers(which: str, byte_dir: Path, sp_dir: Path) -> None:
             assert ours.decode(ids, skip) == theirs.decode(ids, skip_special_tokens=skip)
         streamed = "".join(_stream(ours, ids, [2, 1, 3]))
         assert streamed == theirs.decode(ids, skip_special_tokens=True)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=_FIXTURE_OK)
+@given(
+    prompt=st.lists(st.integers(min_value=3, max_value=10**6), min_size=1, max_size=12),
+    max_tokens=st.integers(min_value=1, max_value=40),
+    stop_at=st.one_of(st.none(), st.integers(min_value=0, max_value=39)),
+    eos=st.booleans(),
+    decode_steps=st.sampled_from([1, 4]),
+)
+def test_final_text_decoded_at_the_end_is_the_streamed_text(
+    any_tok: Tokenizer, prompt: list[int], max_tokens: int, stop_at, eos: bool, decode_steps: int
+) -> None:
+    """A FINAL request without stop strings is detokenized once when it ends
+    (``Request.text_at_end``): its text equals the DELTA stream's of the same tokens, whatever
+    ends it (length, a stop token, EOS) — random ids, stray bytes and specials included
+    (ByteFallback's invalid runs excepted, as in ``test_stream_random_ids``)."""
+    import types
+
+    from jbatch import EngineConfig, LLMEngine, SamplingParams
+    from jbatch.engine.mock_core import MockCore, expected_tokens
+    from jbatch.outputs import OutputKind
+
+    vocab = any_tok.vocab_size
+    prompt = [3 + t % (vocab - 3) for t in prompt]
+    tokens = expected_tokens(prompt, 40, 0, False, vocab)
+    stops = [] if stop_at is None or eos else [tokens[stop_at]]
+    eos_ids = (tokens[stop_at],) if eos and stop_at is not None else ()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stops)
+    texts = {}
+    for kind in (OutputKind.DELTA, OutputKind.FINAL):
+        cfg = EngineConfig(max_slots=2, page_size=4, num_pages=32, max_seq_len=64, block_q=4,
+                           decode_steps=decode_steps)  # fmt: skip
+        model_cfg = types.SimpleNamespace(vocab_size=vocab, max_position_embeddings=64)
+        eng = LLMEngine(model_cfg, None, cfg, any_tok, eos_ids, core=MockCore(cfg, vocab))
+        eng.add_request(prompt, params, output_kind=kind)
+        text, ids = "", []
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                text += out.outputs[0].text
+                ids += out.outputs[0].token_ids
+                reason = out.outputs[0].finish_reason
+        texts[kind] = (text, ids, reason)
+    final, delta = texts[OutputKind.FINAL], texts[OutputKind.DELTA]
+    assert final[1:] == delta[1:]
+    if any_tok.token_to_id("<0x00>") is None or "\ufffd" not in final[0] + delta[0]:
+        assert final[0] == delta[0]

@@ -108,6 +108,12 @@ class Request:
         return self.matcher is not None and not self.finished
 
     @property
+    def text_at_end(self) -> bool:
+        """A FINAL request without stop strings: nothing reads its text before it ends, so its
+        tokens are detokenized once then (``stop_checker.text_to_emit``), not one by one."""
+        return self.output_kind is OutputKind.FINAL and not self.params.stop
+
+    @property
     def speculates(self) -> bool:
         """Whether speculative steps propose tokens for this request: it did not opt out, and
         nothing it samples depends on the previous token on the host or the device (a grammar,

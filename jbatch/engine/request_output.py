@@ -37,6 +37,8 @@ def step_output(seq: Request, new: int = 1) -> RequestOutput | None:
 def error_output(seq: Request, error: str) -> RequestOutput:
     """The final output of a request that failed with a step: what it had, then "error"."""
     final = seq.output_kind is OutputKind.FINAL
+    if seq.text_at_end:
+        stop_checker.text_to_emit(seq, True)  # its tokens' text, decoded now
     text = "".join(seq.text_chunks) if final else ""
     ids = list(seq.output_ids) if final else []
     logprobs = list(seq.logprobs) if final else []

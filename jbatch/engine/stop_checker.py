@@ -25,7 +25,7 @@ def append_token(seq: Request, token: int, logprob: float) -> tuple[str, int | s
         return "stop", token
     if not p.ignore_eos and token in seq.eos_ids:
         return "stop", token
-    if seq.detokenizer is not None:
+    if seq.detokenizer is not None and not seq.text_at_end:
         seq.pending_text += seq.detokenizer.add_tokens([token])
         if p.stop:
             hit = _find_stop(seq.pending_text, p.stop)
@@ -54,7 +54,10 @@ def text_to_emit(seq: Request, finished: bool) -> str:
     stop string (so a stop string is never streamed and then retracted)."""
     if seq.detokenizer is None:
         return ""
-    if finished:
+    if finished and seq.text_at_end:
+        seq.pending_text += _decode_at_end(seq)
+        end = len(seq.pending_text)
+    elif finished:
         if seq.finish_reason == "length" or seq.stop_reason is None:
             seq.pending_text += seq.detokenizer.flush()
         end = len(seq.pending_text)
@@ -64,3 +67,12 @@ def text_to_emit(seq: Request, finished: bool) -> str:
     if seq.output_kind is OutputKind.FINAL and delta:
         seq.text_chunks.append(delta)
     return delta
+
+
+def _decode_at_end(seq: Request) -> str:
+    """The whole text of a request whose tokens were not detokenized one by one
+    (``Request.text_at_end``), decoded at once: what streaming them would have given — a stop
+    token's text is not kept, and a stop token ends the text without a flush (as above)."""
+    stop_token = isinstance(seq.stop_reason, int) and not isinstance(seq.stop_reason, bool)
+    ids = seq.output_ids[:-1] if stop_token else seq.output_ids
+    return seq.detokenizer.decode_rest(ids, final=not stop_token)
