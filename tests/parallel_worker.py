@@ -128,10 +128,12 @@ def matrix(ckpt: str, configs: str) -> dict:
     model_cfg = ModelConfig.from_file(os.path.join(ckpt, "config.json"))
     results = {}
     for config in configs.split(","):
-        mesh, impl, kv = (config.split(":") + ["", ""])[:3]  # e.g. "2x1:pallas_interpret"
+        # e.g. "2x1:pallas_interpret"; a fourth field: decode_steps (blocks of decode steps)
+        mesh, impl, kv, steps = (config.split(":") + ["", "", ""])[:4]
         tp, dp = map(int, mesh.split("x"))
         options = {"attn_impl": impl} if impl else {}
         options |= {"kv_cache_dtype": kv} if kv else {}
+        options |= {"decode_steps": int(steps)} if steps else {}
         cfg = engine_config(tp=tp, dp=dp, **options)
         t0 = time.perf_counter()
         engines = build_engines(model_cfg, cfg, model_dir=ckpt)
@@ -142,13 +144,16 @@ def matrix(ckpt: str, configs: str) -> dict:
             jax.block_until_ready(engines[0].state)
         checked = (tp, dp) == (4, 1) or ((tp, dp) == (2, 1) and model_cfg.num_experts > 0)
         collectives = step_collectives(engines[0]) if checked else None
-        results[f"tp{tp}_dp{dp}" + "".join(f"_{x}" for x in (impl, kv) if x)] = {
+        tags = (impl, kv, steps and f"steps{steps}")
+        results[f"tp{tp}_dp{dp}" + "".join(f"_{x}" for x in tags if x)] = {
             "collectives": collectives,
             "outputs": outs,
             "compiles_after_warmup": compiled,
             "replicas": [describe_engine(e) for e in engines],
             "routed": getattr(engine, "routed", [len(WORKLOAD)]),
             "swap_outs": sum(e.stats().swap_outs for e in engines),
+            "steps": sum(e.stats().steps for e in engines),
+            "dispatches": sum(e.stats().dispatches for e in engines),
             "build_seconds": round(built, 1),
             "run_seconds": round(time.perf_counter() - t0 - built, 1),
         }

@@ -35,8 +35,9 @@ FULL = "1x1,2x1,4x1,8x1,4x2"  # tp x dp
 # mistral (head dim 16) also runs the Pallas kernel (interpret mode) per shard under shard_map.
 # qwen3_moe (mixture of experts, tests/test_moe.py): experts split inside, at tp=2; gemma2 (soft
 # caps, sandwich norms) and phi3 (fused qkv/gate_up split as the shards are read) at tp=2.
+# llama also runs blocks of 4 decode steps (decode_steps) on a tp=2 mesh.
 MATRIX = {
-    "llama_tp": FULL,
+    "llama_tp": FULL + ",2x1:::4",
     "qwen2_tp": "1x1,2x1,8x1",
     "mistral_tp": "1x1,2x1,8x1,4x1:pallas_interpret",
     "qwen3_moe": "1x1,2x1",
@@ -109,6 +110,8 @@ def test_greedy_outputs_identical_on_every_mesh(runs, variant):
         assert r["compiles_after_warmup"] == [], f"{variant} {config} recompiled"
     for config, r in results.items():  # the tiny pool forced swaps through the sharded pool
         assert r["swap_outs"] > 0 or "dp2" in config
+        if "steps" in config.split("_")[-1]:  # blocks of decode steps: fewer dispatches
+            assert r["dispatches"] < r["steps"], (config, r["dispatches"], r["steps"])
 
 
 @pytest.mark.parametrize("mesh", ["tp2_dp1", "tp1_dp2"])
