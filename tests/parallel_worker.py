@@ -133,7 +133,8 @@ def matrix(ckpt: str, configs: str) -> dict:
         tp, dp = map(int, mesh.split("x"))
         options = {"attn_impl": impl} if impl else {}
         options |= {"kv_cache_dtype": kv} if kv else {}
-        options |= {"decode_steps": int(steps)} if steps else {}
+        # Blocks of decode steps never preempt, so they run with room in the pool.
+        options |= {"decode_steps": int(steps), "num_pages": 48} if steps else {}
         cfg = engine_config(tp=tp, dp=dp, **options)
         t0 = time.perf_counter()
         engines = build_engines(model_cfg, cfg, model_dir=ckpt)

@@ -109,9 +109,10 @@ def test_greedy_outputs_identical_on_every_mesh(runs, variant):
         assert r["outputs"] == one_device, f"{variant} {config} differs from one device"
         assert r["compiles_after_warmup"] == [], f"{variant} {config} recompiled"
     for config, r in results.items():  # the tiny pool forced swaps through the sharded pool
-        assert r["swap_outs"] > 0 or "dp2" in config
-        if "steps" in config.split("_")[-1]:  # blocks of decode steps: fewer dispatches
+        if "steps" in config.split("_")[-1]:  # blocks of decode steps (a roomy pool instead)
             assert r["dispatches"] < r["steps"], (config, r["dispatches"], r["steps"])
+        else:
+            assert r["swap_outs"] > 0 or "dp2" in config
 
 
 @pytest.mark.parametrize("mesh", ["tp2_dp1", "tp1_dp2"])
