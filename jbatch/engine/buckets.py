@@ -113,7 +113,7 @@ def pick_handover_bucket(cfg: EngineConfig, pages: int) -> int:
 def max_page_writes(cfg: EngineConfig) -> int:
     """Upper bound on page-table entries one step assigns: a new page per decoding slot, plus
     each prompt chunk's pages (a chunk may straddle one extra page boundary); a block of
-    ``decode_steps`` decode steps (``core.decode_block``) gives each slot the pages its
+    ``decode_steps`` decode steps (``decode_block.py``) gives each slot the pages its
     positions span at once."""
     top = prefill_buckets(cfg)[-1]
     block = cfg.max_slots * (-(-(cfg.decode_steps - 1) // cfg.page_size) + 1)
@@ -122,7 +122,7 @@ def max_page_writes(cfg: EngineConfig) -> int:
 
 def runs_blocks(cfg: EngineConfig, rows: int) -> bool:
     """Whether the program of ``rows`` prompt rows is a block of up to ``decode_steps`` decode
-    steps (``core.decode_block``): the decode-only programs, when ``decode_steps`` > 1."""
+    steps (``decode_block.py``): the decode-only programs, when ``decode_steps`` > 1."""
     return rows == 0 and cfg.decode_steps > 1
 
 

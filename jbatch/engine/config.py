@@ -89,7 +89,7 @@ class EngineConfig:
     ngram_min / ngram_max: the n-gram lengths the proposer tries, longest first. ``ngram_min``
         1 (vLLM's prompt-lookup default too): a lone matching token still proposes — the K + 1
         rows run whether or not a group proposes, so a guess costs nothing when it is wrong.
-    decode_steps: decode steps one dispatch may run (``core.decode_block``; vLLM V0's
+    decode_steps: decode steps one dispatch may run (``decode_block.py``; vLLM V0's
         ``num_scheduler_steps``): when every running request is past its prompt and none needs
         the host between tokens (a grammar, top logprobs), and no waiting request could take a
         free slot, the scheduler plans a block of up to this many decode steps, run in one

@@ -15,8 +15,7 @@ One step:
 4. sample one token for every slot that decoded or finished its prompt this step;
 5. advance lengths, counters, and penalty statistics.
 
-``decode_block`` runs several decode-only steps in one program (``EngineConfig.decode_steps``:
-the engine's decode-only programs are ``engine_block``), one packed result row per step.
+``decode_block.py`` runs several decode-only steps in one program (``EngineConfig.decode_steps``).
 """
 
 from __future__ import annotations
@@ -369,35 +368,6 @@ def step(
     return step_sample(state, fwd, token_bitmask)
 
 
-def decode_block(
-    params: dict,
-    state: EngineState,
-    batch: StepBatch,
-    *,
-    max_steps: int,
-    token_bitmask: Int32[Array, "slots words"] | None = None,
-    **forward_kwargs,
-) -> tuple[EngineState, Int32[Array, "max_steps n"]]:
-    """``batch.decode_steps[0]`` (clipped to ``1..max_steps``) decode steps of a decode-only
-    ``batch`` in one program (``lax.fori_loop``): each a whole :func:`step` — the listed slots
-    feed back the token the previous step sampled; a slot stops where ``decode_mask`` stops it
-    (its token budget). The page writes must cover every position the block reaches (they
-    are applied once per step: the same entries). Row ``i`` of the result is step ``i``'s
-    ``StepOutput.packed()``; rows past the count are zeros. Sampling is the same as step by
-    step: a slot's random stream is keyed by its token count, not by the step."""
-    one = lambda st: step(params, st, batch, token_bitmask=token_bitmask, **forward_kwargs)
-    width = jax.eval_shape(lambda st: one(st)[1].packed(), state).shape[0]
-
-    def body(i, carry):
-        st, rows = carry
-        st, out = one(st)
-        return st, jax.lax.dynamic_update_slice(rows, out.packed()[None], (i, 0))
-
-    n = jnp.clip(batch.decode_steps[0], 1, max_steps)
-    rows = jnp.zeros((max_steps, width), jnp.int32)
-    return jax.lax.fori_loop(0, n, body, (state, rows))
-
-
 def engine_forward(
     params: dict,
     state: EngineState,
@@ -426,22 +396,3 @@ def engine_step(
     program per bucket pair."""
     state = insert(release(state, release_mask), ins)
     return step(params, state, batch, token_bitmask=token_bitmask, **step_kwargs)
-
-
-def engine_block(
-    params: dict,
-    state: EngineState,
-    release_mask: Bool[Array, " slots"],
-    ins: SlotInsert,
-    batch: StepBatch,
-    token_bitmask: Int32[Array, "slots words"] | None = None,
-    *,
-    max_steps: int,
-    **step_kwargs,
-) -> tuple[EngineState, Int32[Array, "max_steps n"]]:
-    """:func:`engine_step` for a block of decode steps: release, insert, then
-    :func:`decode_block` (the decode-only programs of an engine with ``decode_steps`` > 1)."""
-    state = insert(release(state, release_mask), ins)
-    return decode_block(
-        params, state, batch, max_steps=max_steps, token_bitmask=token_bitmask, **step_kwargs
-    )

@@ -56,7 +56,7 @@ class StepResult:
     # [G]) per group, in the order of its input's ``group_slots`` (``spec_step.py``); None for
     # other steps.
     spec: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
-    # A block of decode steps (``core.decode_block``): (tokens, sampled, logprobs), each
+    # A block of decode steps (``decode_block.py``): (tokens, sampled, logprobs), each
     # ``[steps, slots]``, step by step; the fields above are its first step's. None otherwise.
     block: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
@@ -327,7 +327,7 @@ class _Pending:
     packed: Int32[Array, " n"]
     local: Int32[Array, " n"]
     spec: tuple[int, int] | None = None  # a speculative step's (groups, K + 1)
-    block: int = 0  # a block of decode steps: how many it runs (``core.decode_block``)
+    block: int = 0  # a block of decode steps: how many it runs (``decode_block.py``)
 
 
 def _key_of(inp: StepInput) -> tuple:

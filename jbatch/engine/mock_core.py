@@ -79,7 +79,7 @@ class MockCore:
     def step(self, params, st: MockState, inp: StepInput, bitmask=None):
         release, ins, batch = inp.structured()
         st = self.insert(self.release(st, release), ins)
-        if buckets.runs_blocks(self.cfg, inp.layout.key[0]):  # as core.decode_block
+        if buckets.runs_blocks(self.cfg, inp.layout.key[0]):  # as decode_block.py
             steps = []
             for _ in range(int(np.clip(batch.decode_steps[0], 1, self.cfg.decode_steps))):
                 st, one = self._step(st, batch, bitmask)

@@ -19,7 +19,7 @@ how a speculative step's results become each request's tokens.
    - the device clips every group to its request's token budget and the pool it knows (the
      host's counters are lower bounds while a step runs).
 3. ``emitted``: per request, the tokens a step gave it — one for ordinary steps, one per step
-   it decoded in a block of decode steps (``core.decode_block``), the accepted proposals plus
+   it decoded in a block of decode steps (``decode_block.py``), the accepted proposals plus
    one for speculative steps, after which ``Scheduler.accept`` advances the
    request's counters and returns its pages past what the device may still write.
 """

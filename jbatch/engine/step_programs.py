@@ -25,7 +25,8 @@ from jax.sharding import PartitionSpec as P
 
 from jbatch.engine import buckets, swap
 from jbatch.engine.config import EngineConfig
-from jbatch.engine.core import engine_block, engine_step
+from jbatch.engine.core import engine_step
+from jbatch.engine.decode_block import engine_block
 from jbatch.engine.spec_step import engine_spec_step, pack_spec
 from jbatch.engine.split_step import SplitPrograms
 from jbatch.engine.state import init_state
