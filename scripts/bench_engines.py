@@ -49,9 +49,10 @@ def _peak_rss_mb() -> float:
 
 
 class JbatchRunner:
-    """jbatch ``LLM.generate``; ``static=True`` runs batches of ``slots`` one after another."""
+    """jbatch ``LLM.generate``; ``static=True`` runs batches of ``slots`` one after another;
+    ``decode_steps``: blocks of that many decode steps per dispatch (``EngineConfig``)."""
 
-    def __init__(self, model: str, slots: int, max_len: int, static: bool):
+    def __init__(self, model: str, slots: int, max_len: int, static: bool, decode_steps: int = 1):
         from jbatch import LLM
 
         self.static, self.slots = static, slots
@@ -63,6 +64,7 @@ class JbatchRunner:
             max_num_batched_tokens=512,
             max_seq_len=max_len,
             enable_prefix_caching=False,
+            decode_steps=decode_steps,
         )
 
     def run(self, prompts: list[list[int]], out_lens: list[int]) -> list[int]:
@@ -171,6 +173,8 @@ class VLLMRunner:
 def make_runner(engine: str, model: str, slots: int, max_len: int):
     if engine in ("jbatch", "jbatch_static"):
         return JbatchRunner(model, slots, max_len, static=engine == "jbatch_static")
+    if engine == "jbatch_blocks8":
+        return JbatchRunner(model, slots, max_len, static=False, decode_steps=8)
     runners = {"hf_static": HFStaticRunner, "hf_continuous": HFContinuousRunner, "vllm": VLLMRunner}
     if engine not in runners:
         raise ValueError(f"unknown engine {engine!r}")

@@ -1,5 +1,6 @@
-"""Offline throughput, side by side: jbatch (continuous, static) vs HF transformers (static
-``generate``, continuous ``generate_batch``'s manager) vs vLLM's CPU build, one checkpoint.
+"""Offline throughput, side by side: jbatch (continuous, with blocks of 8 decode steps, static)
+vs HF transformers (static ``generate``, continuous ``generate_batch``'s manager) vs vLLM's CPU
+build, one checkpoint.
 
     python scripts/bench_offline.py [--shape toy|smollm2-135m | --model DIR] [--reps 5]
                                     [--vllm-python VENV/bin/python]
@@ -32,9 +33,10 @@ import numpy as np
 from bench_shapes import SHAPES, checkpoint_for
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ("jbatch", "jbatch_static", "hf_static", "hf_continuous", "vllm")
+ENGINES = ("jbatch", "jbatch_blocks8", "jbatch_static", "hf_static", "hf_continuous", "vllm")
 LABELS = {
     "jbatch": "jbatch continuous",
+    "jbatch_blocks8": "jbatch decode_steps=8",
     "jbatch_static": "jbatch static",
     "hf_static": "HF generate (static)",
     "hf_continuous": "HF generate_batch (CB)",

@@ -94,8 +94,10 @@ class EngineConfig:
         the host between tokens (a grammar, top logprobs), and no waiting request could take a
         free slot, the scheduler plans a block of up to this many decode steps, run in one
         program (``lax.fori_loop``) — the launch and the planning are paid once per block.
-        The cost: a request that stops early (EOS, stop string) wastes the rest of its block's
-        rows, a free slot waits for the block to end, and text streams a block at a time.
+        While requests queue, a block ends at the next request's last token (its slot goes
+        to the queue). The cost: a request that stops early (EOS, stop string) wastes the
+        rest of its block's rows and its slot waits for the block's end, and text streams a
+        block at a time.
         1: off (one step per dispatch). Not with speculative decoding.
     tp: tensor parallelism — devices one engine replica's model and KV pool are split over.
     dp: data parallelism — engine replicas (each on its own ``tp`` devices) behind one router.

@@ -270,20 +270,23 @@ class Scheduler:
         the host between its tokens (a grammar's mask, top logprobs), no waiting request could
         take a slot free now or at this step's retirement, and the pool has the pages every
         request's whole block needs (planning a block never preempts). Never more steps than
-        the request with the most tokens left can use."""
+        the request with the most tokens left can use, and while requests queue, no more than
+        the one with the fewest: its slot goes to the queue right after the block."""
         steps = self.cfg.decode_steps
         admits = self.waiting and (self.free_slots or self._last_samples)
         if steps == 1 or not self.running or admits:
             return 1
-        need, most = 0, 1
+        need, most, least = 0, 1, steps
         for seq in self.running.values():
             if seq.prefilling or seq.matcher is not None or seq.params.logprobs is not None:
                 return 1
             if seq.can_decode:
                 n = min(steps, seq.max_tokens - seq.num_sampled)
                 need += max(0, self._pages_short(seq, self._reach(seq, n - 1)))
-                most = max(most, n)
-        return most if need <= self.allocator.num_free else 1  # no step past every budget
+                most, least = max(most, n), min(least, n)
+        if need > self.allocator.num_free:
+            return 1
+        return least if self.waiting else most
 
     def _schedule_handovers(self, out: SchedulerOutput) -> None:
         """Prefill role: a request whose last prompt chunk went out in an earlier step (its
