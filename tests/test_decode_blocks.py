@@ -10,7 +10,7 @@ import pytest
 
 from jbatch import LLM, SamplingParams
 from tests.compile_counter import count_compiles
-from tests.test_engine import assert_drained, assert_teacher_forced
+from tests.test_engine import assert_drained, assert_teacher_forced, churn_with_random_aborts
 
 BLOCKS = dict(
     max_slots=4,
@@ -118,18 +118,5 @@ def test_stop_conditions_cut_inside_a_block(engines):
 
 def test_no_page_leaks_with_random_aborts(engines):
     llm, _, _ = engines
-    engine = llm.engine
-    rng = np.random.RandomState(11)
-    batch = prompts(40, seed=12)
-    live: list[str] = []
-    for i in range(300):
-        p = GREEDY.replace(max_tokens=int(rng.randint(1, 16)))
-        live.append(engine.add_request(batch[i % len(batch)], p))
-        if rng.rand() < 0.5:
-            engine.step()
-        if rng.rand() < 0.15:
-            engine.abort_request(live[rng.randint(len(live))])
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.forget_finished()
+    churn_with_random_aborts(llm.engine, prompts(40, seed=12), requests=300, max_tokens=16)
     assert_drained(llm)

@@ -52,6 +52,25 @@ def assert_drained(llm: LLM):
     assert not sched.running and not sched.waiting
 
 
+def churn_with_random_aborts(engine, prompts, requests: int, max_tokens: int, seed: int = 11):
+    """Add ``requests`` greedy requests (1 to ``max_tokens - 1`` tokens each, prompts cycled),
+    stepping after about half of them and aborting a random earlier one after about 15%, then
+    run everything out and forget it (page-leak tests: ``assert_drained`` after this)."""
+    rng = np.random.RandomState(seed)
+    live: list[str] = []
+    for i in range(requests):
+        p = SamplingParams(temperature=0.0, max_tokens=int(rng.randint(1, max_tokens)),
+                           ignore_eos=True)  # fmt: skip
+        live.append(engine.add_request(prompts[i % len(prompts)], p))
+        if rng.rand() < 0.5:
+            engine.step()
+        if rng.rand() < 0.15:
+            engine.abort_request(live[rng.randint(len(live))])
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.forget_finished()
+
+
 @pytest.fixture(scope="module")
 def llama(hf_checkpoint):
     path, model = hf_checkpoint("llama")

@@ -9,7 +9,7 @@ import pytest
 
 from jbatch import LLM, SamplingParams
 from tests.compile_counter import count_compiles
-from tests.test_engine import assert_drained, assert_teacher_forced
+from tests.test_engine import assert_drained, assert_teacher_forced, churn_with_random_aborts
 
 SPEC = dict(
     max_slots=4,
@@ -168,21 +168,8 @@ def test_stop_conditions_cut_an_accepted_run(spec_llama):
 
 def test_no_page_leaks_after_many_speculative_requests_with_aborts(spec_llama):
     llm, _ = spec_llama
-    engine = llm.engine
-    rng = np.random.RandomState(11)
-    prompts = repetitive_prompts(384, 40, seed=12)
-    live: list[str] = []
-    for i in range(1000):
-        p = GREEDY.replace(max_tokens=int(rng.randint(1, 12)))
-        live.append(engine.add_request(prompts[i % len(prompts)], p))
-        if rng.rand() < 0.5:
-            engine.step()
-        if rng.rand() < 0.15:
-            engine.abort_request(live[rng.randint(len(live))])
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.forget_finished()
-    assert engine.stats().spec_accepted_tokens > 0
+    churn_with_random_aborts(llm.engine, repetitive_prompts(384, 40, seed=12), 1000, 12)
+    assert llm.engine.stats().spec_accepted_tokens > 0
     assert_drained(llm)
 
 

@@ -119,8 +119,13 @@ class Request:
         nothing it samples depends on the previous token on the host or the device (a grammar,
         penalties) or asks for more than one row's top logprobs."""
         p = self.params
-        plain = self.matcher is None and not p.uses_penalties and p.logprobs is None
-        return p.speculative and plain
+        return p.speculative and not (self.host_per_token or p.uses_penalties)
+
+    @property
+    def host_per_token(self) -> bool:
+        """Whether each token needs the host before the next is sampled: a grammar's mask, or
+        top logprobs read per row (such requests neither speculate nor run in blocks)."""
+        return self.matcher is not None or self.params.logprobs is not None
 
     @property
     def prefilling(self) -> bool:

@@ -278,7 +278,7 @@ class Scheduler:
             return 1
         need, most, least = 0, 1, steps
         for seq in self.running.values():
-            if seq.prefilling or seq.matcher is not None or seq.params.logprobs is not None:
+            if seq.prefilling or seq.host_per_token:
                 return 1
             if seq.can_decode:
                 n = min(steps, seq.max_tokens - seq.num_sampled)
