@@ -1,7 +1,7 @@
 """Speculative decoding vs plain decoding: output tok/s and tokens per target step, by batch size.
 
     PYTHONPATH=. python scripts/bench_speculative.py [--batches 1 4 32] [--reps 3]
-        [--k 4] [--out docs/bench_speculative.json]
+        [--k 4] [--decode-steps 1] [--out docs/bench_speculative.json]
 
 Workloads, greedy, on the built-in demo model (or ``--model``):
 
@@ -27,6 +27,12 @@ Three engines in one process — the same model and sizes, ``speculative=None``,
 ratios to plain are reported (the machine is shared: ratios, not absolute times). A batch of
 B is B requests submitted together, ``--rounds`` times per repetition (batch 1: ``--solo``
 requests one after another). Writes a JSON record and a PNG plot next to it.
+
+``--decode-steps N`` > 1: the speculative engines run up to N speculative steps per dispatch
+(``jbatch/engine/spec_block.py``), and a fourth engine, ``plain_blocks``, decodes without
+speculation in blocks of N steps (``decode_block.py``): each row then also gives every
+speculative engine's ratio to it (``*_vs_plain_blocks``), what speculation adds once both
+engines pay the launch and the planning once per N steps.
 """
 
 from __future__ import annotations
@@ -132,12 +138,17 @@ def main() -> None:
     ap.add_argument(
         "--methods", nargs="+", default=["ngram", "draft"], help="engines beside plain decoding"
     )
+    ap.add_argument(
+        "--decode-steps", type=int, default=1, help="steps per dispatch (speculative or not)"
+    )
     ap.add_argument("--out", default="docs/bench_speculative.json")
     args = ap.parse_args()
     model = args.model or str(demo_model_path())
     sizes = dict(max_slots=max(*args.batches, 4), num_pages=2048, max_seq_len=1024)
-    spec = dict(num_speculative_tokens=args.k)
+    spec = dict(num_speculative_tokens=args.k, decode_steps=args.decode_steps)
     engines = {"plain": LLM(model, **sizes)}
+    if args.decode_steps > 1:
+        engines["plain_blocks"] = LLM(model, **sizes, decode_steps=args.decode_steps)
     if "ngram" in args.methods:
         engines["ngram"] = LLM(model, **sizes, speculative="ngram", **spec)
     draft = args.draft or (None if args.model else str(demo_draft_path()))
@@ -176,6 +187,10 @@ def main() -> None:
                 ]
                 row[f"{name}_speedup_median"] = round(statistics.median(ratios), 3)
                 row[f"{name}_speedups"] = [round(r, 3) for r in ratios]
+                if "plain_blocks" in reps and name not in ("plain", "plain_blocks"):
+                    pairs = zip(reps[name], reps["plain_blocks"])
+                    vs = statistics.median(s["output_tok_s"] / p["output_tok_s"] for s, p in pairs)
+                    row[f"{name}_vs_plain_blocks"] = round(vs, 3)
             for name, rs in reps.items():
                 row[name] = {
                     key: statistics.median(r[key] for r in rs)
@@ -211,7 +226,7 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for workload in sorted({r["workload"] for r in rows}):
-        for name in ("ngram", "draft"):
+        for name in ("ngram", "draft", "plain_blocks"):
             key = f"{name}_speedup_median"
             pts = [(r["batch"], r[key]) for r in rows if r["workload"] == workload and key in r]
             if pts:

@@ -301,7 +301,6 @@ def test_blocks_of_decode_steps_stream_several_tokens_per_dispatch():
     "kwargs, message",
     [
         (dict(decode_steps=0), "decode_steps must be a positive int"),
-        (dict(decode_steps=4, speculative="ngram"), "decode_steps=4 with speculative"),
         (dict(decode_steps=2, role="prefill"), "decode_steps=2 with role='prefill'"),
     ],
 )

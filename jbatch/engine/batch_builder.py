@@ -34,11 +34,13 @@ def build_spec_input(cfg: EngineConfig, core, sched: SchedulerOutput) -> StepInp
     for seq in sched.inserts:
         _fill_insert(cfg, inp.insert, seq)
     batch = inp.batch
+    batch.steps[0] = sched.steps
     for g, (seq, proposal) in enumerate(zip(sched.decodes, sched.drafts)):
         batch.group_slots[g] = seq.slot
         if proposal is not None:
             n = min(len(proposal.tokens), batch.window.shape[1])  # the latest tokens
             batch.max_drafts[g], batch.anchor[g] = proposal.cap, proposal.anchor
+            batch.propose[g] = proposal.speculates
             batch.window_len[g] = n
             if n:
                 batch.window[g, :n] = proposal.tokens[len(proposal.tokens) - n :]

@@ -139,11 +139,17 @@ def spec_buckets(cfg: EngineConfig) -> tuple[int, ...]:
     return (*sizes, top)
 
 
+def spec_extra(cfg: EngineConfig) -> int:
+    """Tokens one speculative dispatch may emit for a request past its first: K in a step, and
+    K + 1 in each further step of a block (``spec_block.py``; ``decode_steps`` steps)."""
+    return cfg.decode_steps * (cfg.num_speculative_tokens + 1) - 1
+
+
 def max_spec_page_writes(cfg: EngineConfig) -> int:
-    """Upper bound on page-table entries one speculative step assigns: each group's K + 1 rows,
-    after up to K rows the step in flight may have accepted, straddle at most
-    ``ceil((2K + 1) / page_size) + 1`` new pages."""
-    rows = 2 * cfg.num_speculative_tokens + 1
+    """Upper bound on page-table entries one speculative dispatch assigns: each group's
+    ``E + 1`` positions (``E = spec_extra``), after up to ``E`` the dispatch in flight may
+    have emitted, straddle at most ``ceil((2E + 1) / page_size) + 1`` new pages."""
+    rows = 2 * spec_extra(cfg) + 1
     return cfg.speculative_max_batch * (-(-rows // cfg.page_size) + 1)
 
 

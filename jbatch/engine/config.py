@@ -97,8 +97,9 @@ class EngineConfig:
         While requests queue, a block ends at the next request's last token (its slot goes
         to the queue). The cost: a request that stops early (EOS, stop string) wastes the
         rest of its block's rows and its slot waits for the block's end, and text streams a
-        block at a time.
-        1: off (one step per dispatch). Not with speculative decoding.
+        block at a time. With speculative decoding: up to this many speculative steps per
+        dispatch (``spec_block.py``; the n-gram stream grows on the device between them).
+        1: off (one step per dispatch).
     tp: tensor parallelism — devices one engine replica's model and KV pool are split over.
     dp: data parallelism — engine replicas (each on its own ``tp`` devices) behind one router.
     role: what the engine runs (``docs/scaling.md``, disaggregation): "mixed" (prompts and
@@ -243,11 +244,6 @@ class EngineConfig:
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}"
-            )
-        if self.speculative is not None and self.decode_steps > 1:
-            raise ValueError(
-                f"decode_steps={self.decode_steps} with speculative={self.speculative!r}: a "
-                f"speculative step already emits several tokens per dispatch (use one of them)"
             )
         if self.speculative is None:
             return

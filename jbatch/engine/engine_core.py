@@ -52,9 +52,10 @@ class StepResult:
     logprobs: np.ndarray
     top: HostTopLogprobs | None = None  # per slot (``logprobs.py``; None: a stand-in core)
     prompt_top: HostTopLogprobs | None = None  # per prompt-chunk row
-    # A speculative step's (tokens [G, K+1], logprobs [G, K+1], counts [G], proposals verified
-    # [G]) per group, in the order of its input's ``group_slots`` (``spec_step.py``); None for
-    # other steps.
+    # A speculative dispatch's (tokens [T, G, K+1], logprobs [T, G, K+1], counts [T, G],
+    # proposals verified [T, G]) per step it planned (T; counts 0 past the steps it ran) and
+    # group, in the order of its input's ``group_slots`` (``spec_block.py``); None for other
+    # steps.
     spec: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
     # A block of decode steps (``decode_block.py``): (tokens, sampled, logprobs), each
     # ``[steps, slots]``, step by step; the fields above are its first step's. None otherwise.
@@ -176,14 +177,18 @@ class EngineCore:
         spec = None
         if _key_of(inp)[0] == "spec":
             spec = inp.batch.group_slots.shape[0], self.cfg.num_speculative_tokens + 1
+            block = int(inp.batch.steps[0])
         return _Pending(self._dispatched - 1, packed, local, spec, block)
 
     def fetch(self, pending: _Pending) -> StepResult:
         """Wait for a dispatched step's results."""
         packed, spec, block = np.asarray(pending.local), None, None
-        if pending.spec is not None:
-            spec, packed = unpack_spec(packed, *pending.spec)
-        if pending.block:  # one row per step of the block; the first is the result's head
+        if pending.spec is not None:  # one row per step it may run; the first is the head
+            rows = packed.reshape(self.cfg.decode_steps, -1)[: pending.block]
+            steps = [unpack_spec(row, *pending.spec) for row in rows]
+            spec = tuple(np.stack(field) for field in zip(*(head for head, _ in steps)))
+            packed = steps[0][1]
+        elif pending.block:  # one row per step of the block; the first is the result's head
             rows = packed.reshape(self.cfg.decode_steps, -1)
             steps = [unpack_output(row, self.cfg.max_slots)[:3] for row in rows[: pending.block]]
             block, packed = tuple(np.stack(field) for field in zip(*steps)), rows[0]
@@ -326,8 +331,10 @@ class _Pending:
     index: int
     packed: Int32[Array, " n"]
     local: Int32[Array, " n"]
-    spec: tuple[int, int] | None = None  # a speculative step's (groups, K + 1)
-    block: int = 0  # a block of decode steps: how many it runs (``decode_block.py``)
+    spec: tuple[int, int] | None = None  # a speculative dispatch's (groups, K + 1)
+    # A block of decode steps (``decode_block.py``) or a speculative dispatch: the steps it
+    # runs at most.
+    block: int = 0
 
 
 def _key_of(inp: StepInput) -> tuple:

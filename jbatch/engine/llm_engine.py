@@ -208,8 +208,13 @@ class LLMEngine:
         # While a speculative step runs the host does not know how far it gets: only another
         # speculative step, with pages for the worst case, is planned meanwhile
         # (engine/speculator.py); anything else waits for its result.
-        spec_running = bool(self._inflight) and self._inflight[-1][0].drafts is not None
-        if spec_running and not (spec and self._speculator.overlaps(self.scheduler)):
+        last = self._inflight[-1][0] if self._inflight else None
+        spec_running = last is not None and last.drafts is not None
+        # A block of decode steps in flight emits several tokens the device does not keep
+        # for the next speculative dispatch's stream (spec_block.py): it lands first too.
+        block_running = last is not None and last.drafts is None and last.steps > 1
+        overlaps = spec and self._speculator.overlaps(self.scheduler)
+        if (spec_running and not overlaps) or (block_running and spec):
             outputs += self.drain()
             spec = self._speculator.wanted(self.scheduler)
         lockstep = bool(self._inflight) and _constrained(self._inflight[-1][0])
@@ -228,7 +233,7 @@ class LLMEngine:
                 early.append((prev, result, step_results.advance_grammars(prev, result.tokens)))
                 self.counters["constrained_steps"] += 1
 
-        steps = 1 if spec else self.scheduler.block_steps()  # > 1: a block of decode steps
+        steps = self.scheduler.block_steps()  # > 1: a block of (speculative) steps
         sched = self.scheduler.schedule(self._speculator.propose if spec else None, steps)
         split = lockstep and self.cfg.structured_overlap
         dispatched = self._dispatch(sched, feed_grammars, split)
@@ -290,7 +295,8 @@ class LLMEngine:
             counters["dispatches"] += 1
         if not work:
             return False
-        counters["steps"] += sched.steps
+        if sched.drafts is None:  # a speculative dispatch's steps: those it ran (speculator)
+            counters["steps"] += sched.steps
         counters["decode_rows"] += len(sched.decodes) * sched.steps
         if self.scheduler.waiting:  # slot utilization while requests queue for a slot
             counters["steps_while_queued"] += 1

@@ -11,8 +11,9 @@ rejected token on. The device knows: each group's stream is assembled here from
 
 1. the host's window — the last ``window_len`` tokens of the stream the host has read, up to
    stream index ``anchor`` (its last token);
-2. the proposals the step in flight accepted, which the device kept (``EngineState.spec_drafts``):
-   the ``o - 1`` tokens after ``anchor``, where ``o = seq_lens - anchor``;
+2. the tokens the dispatch in flight emitted, which the device kept
+   (``EngineState.spec_emitted``): the ``o - 1`` tokens after ``anchor``, where
+   ``o = seq_lens - anchor``;
 3. the slot's last sampled token (``EngineState.tokens``) at index ``seq_lens``.
 
 Cost: ``ngram_max`` shifted comparisons of ``[groups, window + K + 1]`` per step, and no gather

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 
-from jbatch.engine import prompt_rows
+from jbatch.engine import buckets, prompt_rows
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.page_allocator import PageAllocator
 from jbatch.engine.parent_request import sibling_prompt_pages
@@ -197,10 +197,11 @@ class Scheduler:
 
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self, propose=None, steps: int = 1) -> SchedulerOutput:
-        """Plan one step. ``propose(seq, cap) -> Proposal | None``: plan a speculative step
-        instead — decodes only, each with its proposal (pages for all of it, or none).
-        ``steps`` > 1 (from :meth:`block_steps`): plan a block of that many decode steps —
-        decodes only, each request up to its token budget, with pages for all of them."""
+        """Plan one step. ``propose(seq, cap) -> Proposal | None``: plan a speculative dispatch
+        of ``steps`` steps instead — decodes only, each with its proposal (pages for all of it,
+        or none). ``steps`` > 1 (from :meth:`block_steps`): plan a block of that many decode
+        steps — decodes only, each request up to its token budget, with pages for all of
+        them."""
         self.num_steps += 1
         self._retire()
         out = SchedulerOutput(steps=steps)
@@ -213,7 +214,7 @@ class Scheduler:
             out.drafts = [] if propose is not None else None
             self._schedule_decodes(out, order, propose)
             if out.drafts is not None and all(p is None for p in out.drafts):
-                out.drafts = None  # nothing to verify: an ordinary decode step
+                out.drafts, out.steps = None, 1  # nothing to verify: an ordinary decode step
             out.releases, self.pending_releases = self.pending_releases, []
             return out
         if self.cfg.role == "prefill":
@@ -247,7 +248,8 @@ class Scheduler:
             if seq.status is not RequestStatus.RUNNING or not seq.can_decode:
                 continue
             drafts = self._proposal(seq, propose, out) if propose is not None else None
-            n = min(out.steps, seq.max_tokens - seq.num_sampled)  # tokens it decodes
+            # Tokens it surely decodes (a speculative dispatch: one, the rest are pending).
+            n = 1 if propose is not None else min(out.steps, seq.max_tokens - seq.num_sampled)
             while not self._grow(seq, self._reach(seq, n - 1), out):
                 victim = self._victim()
                 self._preempt(victim, out)
@@ -299,12 +301,15 @@ class Scheduler:
             seq.status = RequestStatus.HANDED_OVER
 
     def _proposal(self, seq: Request, propose, out: SchedulerOutput) -> Proposal | None:
-        """``seq``'s proposal for a speculative step, with pages for all of it (no pages free:
-        none; speculation never preempts anyone). At most K tokens, and never past the
-        request's token budget or ``max_seq_len`` as far as the host knows (the device clips
-        to what it knows: a step in flight may have emitted more)."""
+        """``seq``'s proposal for a speculative dispatch of ``out.steps`` steps, with pages for
+        all of it (no pages free: none; speculation never preempts anyone). At most K tokens a
+        step plus the token each further step emits (one a step for a request that does not
+        speculate), and never past the request's token budget or ``max_seq_len`` as far as
+        the host knows (the device clips to what it knows: a step in flight may have emitted
+        more)."""
+        per_step = self.cfg.num_speculative_tokens + 1 if seq.speculates else 1
         cap = min(
-            self.cfg.num_speculative_tokens,
+            out.steps * per_step - 1,
             seq.max_tokens - seq.num_sampled - 1,
             self.cfg.max_seq_len - seq.num_computed - 1,
         )
@@ -320,10 +325,12 @@ class Scheduler:
         return proposal
 
     def spec_pages_needed(self) -> int:
-        """Pages a speculative step would take at most if every request got K proposals
-        (the engine plans one while another runs only when they are free: no preemption)."""
-        k = self.cfg.num_speculative_tokens
-        need = sum(max(0, self._pages_short(s, self._reach(s, k))) for s in self.running.values())
+        """Pages a speculative dispatch would take at most if every request got all it may
+        emit (``buckets.spec_extra``; the engine plans one while another runs only when they
+        are free: no preemption)."""
+        extra = buckets.spec_extra(self.cfg)
+        reach = lambda s: self._reach(s, extra)
+        need = sum(max(0, self._pages_short(s, reach(s))) for s in self.running.values())
         return need + len(self.running)  # the reserve of ``_proposal``
 
     def accept(self, seq: Request, extra: int, settled: int) -> None:

@@ -24,13 +24,16 @@ class Chunk:
 
 @dataclasses.dataclass(frozen=True)
 class Proposal:
-    """What a speculative step may verify for one request (``spec_step.SpecBatch``)."""
+    """What a speculative dispatch may emit for one request beyond its first token
+    (``spec_step.SpecBatch``)."""
 
-    cap: int  # proposals the step may verify: their pages are granted
+    cap: int  # tokens past the first it may emit: their pages are granted
     anchor: int = 0  # stream index of the last token of ``tokens``
     # n-gram lookup: the stream as far as the host has read it (the device completes it and
     # looks up the proposals); empty: the device's draft model proposes.
     tokens: Seq[int] = ()
+    # False: no proposals — the request decodes one token a step of the dispatch.
+    speculates: bool = True
 
 
 @dataclasses.dataclass
@@ -58,11 +61,12 @@ class SchedulerOutput:
     prompt_logprob_rows: list[tuple[Request, int, int, int]] = dataclasses.field(
         default_factory=list
     )
-    # A speculative step (``spec_step.py``; decode only): each decode's proposal (None: it
+    # A speculative dispatch (``spec_block.py``; decode only): each decode's proposal (None: it
     # decodes one token), in the order of ``decodes``; None for an ordinary step.
     drafts: list[Proposal | None] | None = None
     # Decode steps the step runs as one block (``Scheduler.block_steps``; decode only: each
-    # decode gets up to this many tokens, its token budget permitting); 1 for ordinary steps.
+    # decode gets up to this many tokens, its token budget permitting) or speculative steps a
+    # speculative dispatch runs at most; 1 for ordinary steps.
     steps: int = 1
 
     @property

@@ -1,27 +1,28 @@
-"""The speculative step program: decode rows in groups of K + 1, verified on the device.
+"""The speculative step: decode rows in groups of K + 1, verified on the device.
 
-A decode-only step in which slots speculate (``EngineConfig.speculative``). Its token buffer is
-``groups`` groups of ``K + 1`` decode rows (``K = num_speculative_tokens``; ``groups`` is a
+A decode-only step in which slots speculate (``EngineConfig.speculative``), run by the
+speculative program (``spec_block.py``: one such step, or a block of them). Its token buffer
+is ``groups`` groups of ``K + 1`` decode rows (``K = num_speculative_tokens``; ``groups`` is a
 bucket of ``buckets.spec_buckets``):
 
 1. apply page-table writes (the host gave each group pages for all its rows);
 2. group ``g`` is slot ``group_slots[g]``: row 0 feeds its last token at position
    ``seq_lens[slot]``, rows ``1..num_drafts[g]`` the proposals at the next positions, the rest
    is padding (position -1). The proposals come from a draft model run here, or from n-gram
-   lookup run here (``ngram_device``) over the stream the host has read — sent as a window
-   ending at ``anchor`` — completed with what the host cannot know yet, since the step was
-   planned while the previous one ran: that step's accepted proposals (kept in
-   ``spec_drafts``) and the slot's last token. Either way at most ``max_drafts`` (the rows
-   the host gave pages for), and no more than the token budget and the pool allow
-   (``lookup_drafts``). The model writes every row's K/V through the page table and each
-   row attends to the slot's pages up to its own position (``llama.forward``'s decode rows);
+   lookup run here (``ngram_device``) over the group's stream (``ngram_stream``: the stream
+   the host has read — sent as a window ending at ``anchor`` — completed with what the host
+   cannot know yet, since the dispatch was planned while the previous one ran: the tokens
+   that one emitted, kept in ``spec_emitted``, and the slot's last token). Either way at
+   most what is left of ``max_drafts`` (the rows the host gave pages for), and no more than
+   the token budget and the pool allow (``lookup_drafts``). The model writes every row's K/V
+   through the page table and each row attends to the slot's pages up to its own position
+   (``llama.forward``'s decode rows);
 3. the LM head runs on every row; ``spec_verify.verify`` accepts a prefix of the proposals
    and draws the token after it (row 0 gets penalties and the token bitmask first: a slot with
    either has no proposals);
 4. each slot advances by its emitted count: ``seq_lens`` (the last token and the accepted
    proposals now have valid K/V; the rejected rows' K/V is overwritten later), ``tokens``
-   (the last emitted), ``num_generated``, the output counts, and ``spec_drafts`` (this step's
-   proposals, for the next step's stream).
+   (the last emitted), ``num_generated`` and the output counts.
 
 A slot with no proposals (``num_drafts`` 0) decodes exactly as in an ordinary step. The result is
 packed ahead of an ordinary :class:`core.StepOutput` (row 0 of each slot: its first emitted
@@ -38,7 +39,7 @@ from jaxtyping import Array, Bool, Float, Int32
 
 from jbatch.engine import buckets, ngram_device
 from jbatch.engine.config import EngineConfig
-from jbatch.engine.core import StepOutput, insert, release
+from jbatch.engine.core import StepOutput
 from jbatch.engine.draft_proposer import spec_drafts
 from jbatch.engine.logprobs import TopLogprobs, sampled_top_logprobs
 from jbatch.engine.sampler import processed_logits
@@ -50,12 +51,17 @@ from jbatch.models.llama import compute_logits, forward
 
 @struct.dataclass
 class SpecBatch:
-    """Host inputs of a speculative step (padding groups: slot ``max_slots``). For n-gram
+    """Host inputs of a speculative dispatch (padding groups: slot ``max_slots``): ``steps``
+    speculative steps (``spec_block.py``; 1 unless ``decode_steps`` > 1). ``max_drafts``: the
+    tokens past its first the group may emit in the dispatch (the host gave pages for them);
+    ``propose``: whether the group proposes (False: it decodes one token a step). For n-gram
     proposals, the stream as far as the host has read it: its last ``window_len`` tokens,
     ending at stream index ``anchor`` (the device completes it: ``ngram_device``)."""
 
+    steps: Int32[Array, " 1"]
     group_slots: Int32[Array, " groups"]
-    max_drafts: Int32[Array, " groups"]  # proposals the host gave pages for (0..K)
+    max_drafts: Int32[Array, " groups"]
+    propose: Bool[Array, " groups"]
     anchor: Int32[Array, " groups"]
     window_len: Int32[Array, " groups"]
     window: Int32[Array, "groups w"]  # w = buckets.ngram_window(cfg)
@@ -72,8 +78,10 @@ class SpecBatch:
         s, w = cfg.max_slots, buckets.max_spec_page_writes(cfg)
         zeros = lambda: np.zeros(groups, np.int32)
         return cls(
+            steps=np.ones(1, np.int32),
             group_slots=np.full(groups, s, np.int32),
             max_drafts=zeros(),
+            propose=np.zeros(groups, bool),
             anchor=zeros(),
             window_len=zeros(),
             window=np.zeros((groups, buckets.ngram_window(cfg)), np.int32),
@@ -101,6 +109,8 @@ def spec_step(
     batch: SpecBatch,
     token_bitmask: Int32[Array, "slots words"] | None = None,
     *,
+    used: Int32[Array, " groups"],
+    stream: tuple[Int32[Array, "groups t"], Int32[Array, " groups"]] | None,
     model_cfg: ModelConfig,
     block_q: int,
     num_speculative_tokens: int,
@@ -108,8 +118,10 @@ def spec_step(
     attn_impl: str = "auto",
     draft_cfg: ModelConfig | None = None,
 ) -> tuple[EngineState, StepOutput, SpecOutput]:
-    """One speculative step (module doc); ``draft_cfg``: a draft model proposes on the device
-    instead of n-gram lookup (``draft_proposer.spec_drafts``); ``ngram``: (min, max) n."""
+    """One speculative step (module doc) of a dispatch in which each group already emitted
+    ``used`` tokens (``spec_block.py``). ``stream``: each group's token stream and its length,
+    ending with the slot's last token (n-gram lookup; ``ngram``: (min, max) n); None: a draft
+    model (``draft_cfg``) proposes on the device (``draft_proposer.spec_drafts``)."""
     s, g, k = state.max_slots, batch.group_slots.shape[0], num_speculative_tokens
     k1 = k + 1
     page_tables = state.page_tables.at[batch.write_slots, batch.write_index].set(
@@ -117,8 +129,9 @@ def spec_step(
     )
     gs = batch.group_slots
     gs_c = jnp.clip(gs, 0, s - 1)  # [G]
-    live = (gs < s) & state.decode_mask[gs_c]  # [G]
-    drafts, num_drafts = lookup_drafts(state, batch, gs_c, k, None if draft_cfg else ngram)
+    live = group_live(state, batch, used)  # [G]
+    cap = jnp.where(batch.propose, jnp.clip(batch.max_drafts - used, 0, k), 0)
+    drafts, num_drafts = lookup_drafts(state, gs_c, cap, k, stream, ngram)
     num_drafts = jnp.where(live, num_drafts, 0)  # [G]
     j = jnp.arange(k1, dtype=jnp.int32)[None, :]  # [1, K1]
     rows_on = live[:, None] & (j <= num_drafts[:, None])  # [G, K1]
@@ -163,9 +176,6 @@ def spec_step(
         seq_lens=state.seq_lens + advance,
         num_generated=state.num_generated + advance,
         output_counts=counts,
-        spec_drafts=None
-        if state.spec_drafts is None
-        else state.spec_drafts.at[target].set(drafts, mode="drop"),
     )
     per_slot = lambda a: jnp.zeros((s, *a.shape[1:]), a.dtype).at[target].set(a, mode="drop")
     want = batch.want_top_logprobs[gs_c] & live
@@ -180,44 +190,46 @@ def spec_step(
     return new_state, out, SpecOutput(emitted, logprobs, count, num_drafts)
 
 
+def group_live(state: EngineState, batch: SpecBatch, used: Int32[Array, " groups"]):
+    """Groups that decode in the next step of the dispatch: a real slot that decodes (the
+    decode rule: its token budget and the pool) and has pages left for a token (``used`` of
+    its ``max_drafts`` + 1)."""
+    s = state.max_slots
+    gs = batch.group_slots
+    return (gs < s) & state.decode_mask[jnp.clip(gs, 0, s - 1)] & (used <= batch.max_drafts)
+
+
 def lookup_drafts(
     state: EngineState,
-    batch: SpecBatch,
     gs_c: Int32[Array, " groups"],
+    cap: Int32[Array, " groups"],
     k: int,
-    ngram: tuple[int, int] | None,
+    stream: tuple[Int32[Array, "groups t"], Int32[Array, " groups"]] | None,
+    ngram: tuple[int, int],
 ) -> tuple[Int32[Array, "groups k"], Int32[Array, " groups"]]:
     """Each group's proposals and how many to verify (module doc, 2): n-gram lookup over the
-    group's stream (``ngram``: (min, max) n; ``ngram_device``), or all K (None: a draft model
-    proposes them), at most ``max_drafts`` and never past the request's token budget or the
+    group's ``stream`` (``ngram``: (min, max) n; ``ngram_device``), or all K (None: a draft
+    model proposes them), at most ``cap`` and never past the request's token budget or the
     pool's length."""
     seq_lens = state.seq_lens[gs_c]  # [G]
-    cap = jnp.clip(batch.max_drafts, 0, k)
     budget = state.max_tokens[gs_c] - state.num_generated[gs_c] - 1  # [G]
     room = state.page_tables.shape[1] * state.cache.page_size - seq_lens - 1  # [G]
     cap = jnp.maximum(jnp.minimum(cap, jnp.minimum(budget, room)), 0)
-    if ngram is None:
+    if stream is None:
         return jnp.zeros((gs_c.shape[0], k), jnp.int32), cap
-    # Tokens past the host's anchor: the in-flight step's accepted proposals, then the last.
-    accepted = seq_lens - batch.anchor - 1
-    stream, length = ngram_device.assemble(
-        batch.window, batch.window_len, state.spec_drafts[gs_c], accepted, state.tokens[gs_c]
+    return ngram_device.propose(*stream, cap, k, *ngram)
+
+
+def ngram_stream(
+    state: EngineState, batch: SpecBatch, gs_c: Int32[Array, " groups"]
+) -> tuple[Int32[Array, "groups t"], Int32[Array, " groups"]]:
+    """Each group's stream at the start of a dispatch (module doc, 2): the host's window, the
+    tokens the dispatch in flight emitted past the host's anchor (kept in ``spec_emitted``),
+    the slot's last token; and its length."""
+    emitted = state.seq_lens[gs_c] - batch.anchor - 1
+    return ngram_device.assemble(
+        batch.window, batch.window_len, state.spec_emitted[gs_c], emitted, state.tokens[gs_c]
     )
-    return ngram_device.propose(stream, length, cap, k, *ngram)
-
-
-def engine_spec_step(
-    params: dict,
-    state: EngineState,
-    release_mask: Bool[Array, " slots"],
-    ins,
-    batch: SpecBatch,
-    token_bitmask: Int32[Array, "slots words"] | None = None,
-    **step_kwargs,
-) -> tuple[EngineState, StepOutput, SpecOutput]:
-    """Release, insert (as ``core.engine_step``), then :func:`spec_step`."""
-    state = insert(release(state, release_mask), ins)
-    return spec_step(params, state, batch, token_bitmask, **step_kwargs)
 
 
 def pack_spec(out: StepOutput, spec: SpecOutput) -> Int32[Array, " n"]:

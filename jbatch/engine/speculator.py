@@ -13,18 +13,23 @@ how a speculative step's results become each request's tokens.
      any step that is not speculative, the step in flight is processed first, so planning
      never preempts on a guess;
    - n-gram proposals are looked up on the device (``ngram_device``): the host sends the
-     stream as far as it has read it, and the device completes it with what the step in
-     flight accepted and the slot's real last token — so even the step after a rejection
+     stream as far as it has read it, and the device completes it with what the dispatch in
+     flight emitted and the slot's real last token — so even the step after a rejection
      proposes. A draft model proposes on the device from the real last token too;
    - the device clips every group to its request's token budget and the pool it knows (the
      host's counters are lower bounds while a step runs).
+   With ``decode_steps`` N > 1 a speculative dispatch runs up to N speculative steps
+   (``spec_block.py``): a request is planned with one token and up to ``N (K + 1) - 1``
+   pending ones (``propose``'s cap; one a step if it does not speculate).
 3. ``emitted``: per request, the tokens a step gave it — one for ordinary steps, one per step
    it decoded in a block of decode steps (``decode_block.py``), the accepted proposals plus
-   one for speculative steps, after which ``Scheduler.accept`` advances the
+   one per step of a speculative dispatch, after which ``Scheduler.accept`` advances the
    request's counters and returns its pages past what the device may still write.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from jbatch.engine import ngram_proposer
 from jbatch.engine.config import EngineConfig
@@ -59,12 +64,12 @@ class Speculator:
         pages are free for every request's worst case, so planning needs no preemption."""
         return scheduler.spec_pages_needed() <= scheduler.allocator.num_free
 
-    def propose(self, seq: Request, cap: int) -> Proposal | None:
-        """``seq``'s proposal of up to ``cap`` tokens (None for a request that does not
-        speculate). The tokens themselves are found on the device: the draft model's, or an
-        n-gram lookup in the stream sent here."""
+    def propose(self, seq: Request, cap: int) -> Proposal:
+        """``seq``'s proposal of up to ``cap`` tokens past its first (for a request that does
+        not speculate, in a block: one a step, no proposals). The tokens themselves are found
+        on the device: the draft model's, or an n-gram lookup in the stream sent here."""
         if not seq.speculates:
-            return None
+            return Proposal(cap, speculates=False)
         if self.cfg.speculative == "draft":  # the draft model proposes on the device
             return Proposal(cap)
         if seq.token_stream is None:
@@ -87,17 +92,20 @@ def emitted(
     tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
     if sched.drafts is None:
         return [(seq, [(tokens[slot], logprobs[slot])]) for seq, slot in sched.samplers]
-    spec_tokens, spec_logprobs, counts, verified = result.spec
+    spec_tokens, spec_logprobs, counts, verified = result.spec  # [T, G, ...]: step, group
+    ran = counts.any(axis=1)  # steps the dispatch ran
+    counters["spec_steps"] += int(ran.sum())
+    counters["steps"] += int(ran.sum())
     out = []
-    counters["spec_steps"] += 1
     for g, (seq, proposal) in enumerate(zip(sched.decodes, sched.drafts)):
-        n, k = int(counts[g]), int(verified[g])
-        if k:
-            counters["spec_proposed_tokens"] += k
-            counters["spec_accepted_tokens"] += n - 1
-            counters["spec_groups"] += 1
+        c, v = counts[:, g], verified[:, g]
+        n, proposing = int(c.sum()), v > 0
+        counters["spec_proposed_tokens"] += int(v.sum())
+        counters["spec_accepted_tokens"] += int((c - 1)[proposing].sum())
+        counters["spec_groups"] += int(proposing.sum())
         if not seq.finished:
             scheduler.accept(seq, n - 1, 0 if proposal is None else proposal.cap)
-        pairs = zip(spec_tokens[g, :n].tolist(), spec_logprobs[g, :n].tolist())
+        on = np.arange(spec_tokens.shape[2]) < c[:, None]  # [T, K1]: emitted, step by step
+        pairs = zip(spec_tokens[:, g][on].tolist(), spec_logprobs[:, g][on].tolist())
         out.append((seq, list(pairs)))
     return out

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Int32
 
+from jbatch.engine import buckets
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.sampler import SlotSampling
 from jbatch.models.config import ModelConfig
@@ -35,9 +36,10 @@ class EngineState:
     # Speculative decoding with a draft model: its own pool beside ``cache`` (same pages and
     # page tables, the draft's shape; ``engine/draft_proposer.py``). None without a draft.
     draft_cache: KVCache | None = None
-    # N-gram speculative decoding: each slot's proposals of its last speculative step (the
-    # next step's lookup completes its stream with the accepted ones; ``ngram_device``).
-    spec_drafts: Int32[Array, "slots k"] | None = None
+    # N-gram speculative decoding: the tokens each slot's last speculative dispatch emitted,
+    # all but the last (the next dispatch's lookup completes its stream with them;
+    # ``spec_block.py``), at most ``buckets.spec_extra``.
+    spec_emitted: Int32[Array, "slots extra"] | None = None
 
     @property
     def max_slots(self) -> int:
@@ -72,8 +74,8 @@ def init_state(
     return EngineState(
         cache=pool(model_cfg),
         draft_cache=None if draft_cfg is None else pool(draft_cfg),
-        spec_drafts=(
-            jnp.zeros((s, cfg.num_speculative_tokens), jnp.int32)
+        spec_emitted=(
+            jnp.zeros((s, buckets.spec_extra(cfg)), jnp.int32)
             if cfg.speculative == "ngram"
             else None
         ),

@@ -1,7 +1,7 @@
 """The engine's programs, jitted: one step program per bucket, the swaps and the state's init,
 on one device or a ``(1, tp)`` mesh (``EngineCore`` dispatches them).
 
-- A step program is ``core.engine_step`` (or ``spec_step.engine_spec_step``) over a packed
+- A step program is ``core.engine_step`` (or ``spec_block.engine_spec_block``) over a packed
   input: ``(params, state, ints, floats, bitmask) -> (state, packed result)``, the state
   donated.
 - One device: everything lives committed on the first device (a placement change would be a
@@ -27,7 +27,7 @@ from jbatch.engine import buckets, swap
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import engine_step
 from jbatch.engine.decode_block import engine_block
-from jbatch.engine.spec_step import engine_spec_step, pack_spec
+from jbatch.engine.spec_block import engine_spec_block
 from jbatch.engine.split_step import SplitPrograms
 from jbatch.engine.state import init_state
 from jbatch.engine.step_input import StepInputLayout
@@ -69,12 +69,15 @@ def packed_step(layout: StepInputLayout, cfg: EngineConfig, **step_kwargs) -> Ca
     return run
 
 
-def packed_spec_step(layout: StepInputLayout, **step_kwargs) -> Callable:
+def packed_spec_step(layout: StepInputLayout, **block_kwargs) -> Callable:
+    """The speculative program of ``layout``'s group bucket: up to ``max_steps`` speculative
+    steps, its result their rows, flattened (``spec_block.py``)."""
+
     def run(params, state, ints, floats, bitmask):
-        state, out, spec = engine_spec_step(
-            params, state, *layout.unpack(ints, floats), bitmask, **step_kwargs
+        state, rows = engine_spec_block(
+            params, state, *layout.unpack(ints, floats), bitmask, **block_kwargs
         )
-        return state, pack_spec(out, spec)
+        return state, rows.ravel()
 
     return run
 
@@ -93,6 +96,7 @@ def single_device(
         step_kwargs,
         num_speculative_tokens=cfg.num_speculative_tokens,
         ngram=(cfg.ngram_min, cfg.ngram_max),
+        max_steps=cfg.decode_steps,
     )
     spec = lambda layout: jax.jit(packed_spec_step(layout, **spec_kwargs), donate_argnums=1)
     steps.update({key: spec(layout) for key, layout in spec_layouts.items()})
