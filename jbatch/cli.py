@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from jbatch.engine.config import EngineConfig
+from jbatch.engine.config import SPECULATIVE_DECODE_STEPS, EngineConfig
 from jbatch.engine.tenants import load_tenant_weights
 from jbatch.sampling_params import SamplingParams
 from jbatch.sampling_surfaces import surface_fields
@@ -29,6 +29,10 @@ def _tenant_weights_file(path: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+# Engine fields whose None default is resolved by EngineConfig otherwise than from the model.
+AUTO_DEFAULTS = {"decode_steps": f"{SPECULATIVE_DECODE_STEPS} with speculative decoding, else 1"}
+
+
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine (EngineConfig fields)")
     for field in dataclasses.fields(EngineConfig):
@@ -41,7 +45,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         else:
             kinds = {"int": int, "float": float}
             kind = next((k for n, k in kinds.items() if str(field.type).startswith(n)), str)
-            shown = "from the model / the machine" if field.default is None else field.default
+            shown = field.default
+            if shown is None:
+                shown = AUTO_DEFAULTS.get(field.name, "from the model / the machine")
             group.add_argument(flag, type=kind, default=field.default, help=f"default: {shown}")
 
 

@@ -1,7 +1,7 @@
 """Speculative decoding vs plain decoding: output tok/s and tokens per target step, by batch size.
 
     PYTHONPATH=. python scripts/bench_speculative.py [--batches 1 4 32] [--reps 3]
-        [--k 4] [--decode-steps 1] [--out docs/bench_speculative.json]
+        [--k 4] [--decode-steps 4] [--out docs/bench_speculative.json]
 
 Workloads, greedy, on the built-in demo model (or ``--model``):
 
@@ -28,11 +28,12 @@ ratios to plain are reported (the machine is shared: ratios, not absolute times)
 B is B requests submitted together, ``--rounds`` times per repetition (batch 1: ``--solo``
 requests one after another). Writes a JSON record and a PNG plot next to it.
 
-``--decode-steps N`` > 1: the speculative engines run up to N speculative steps per dispatch
-(``jbatch/engine/spec_block.py``), and a fourth engine, ``plain_blocks``, decodes without
-speculation in blocks of N steps (``decode_block.py``): each row then also gives every
-speculative engine's ratio to it (``*_vs_plain_blocks``), what speculation adds once both
-engines pay the launch and the planning once per N steps.
+``--decode-steps N`` (default: the engine's, 4): the speculative engines run up to N
+speculative steps per dispatch (``jbatch/engine/spec_block.py``; 1: one per dispatch), and
+for N > 1 a fourth engine, ``plain_blocks``, decodes without speculation in blocks of N steps
+(``decode_block.py``): each row then also gives every speculative engine's ratio to it
+(``*_vs_plain_blocks``), what speculation adds once both engines pay the launch and the
+planning once per N steps.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from pathlib import Path
 
 from jbatch import LLM, SamplingParams
 from jbatch.demo import demo_draft_path, demo_model_path
+from jbatch.engine.config import SPECULATIVE_DECODE_STEPS
 
 
 def source_texts(n: int, chars: int) -> list[str]:
@@ -139,7 +141,10 @@ def main() -> None:
         "--methods", nargs="+", default=["ngram", "draft"], help="engines beside plain decoding"
     )
     ap.add_argument(
-        "--decode-steps", type=int, default=1, help="steps per dispatch (speculative or not)"
+        "--decode-steps",
+        type=int,
+        default=SPECULATIVE_DECODE_STEPS,
+        help="speculative steps per dispatch (the engine's default); plain_blocks if > 1",
     )
     ap.add_argument("--out", default="docs/bench_speculative.json")
     args = ap.parse_args()

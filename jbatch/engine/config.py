@@ -18,6 +18,8 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 SCHEDULING_POLICIES = ("priority", "fcfs", "fair")
 ROLES = ("mixed", "prefill", "decode")
 SPECULATIVE_METHODS = (None, "ngram", "draft")
+# Speculative steps per dispatch unless ``decode_steps`` is given (``spec_block.py``).
+SPECULATIVE_DECODE_STEPS = 4
 
 
 def default_dtype() -> str:
@@ -99,7 +101,9 @@ class EngineConfig:
         rest of its block's rows and its slot waits for the block's end, and text streams a
         block at a time. With speculative decoding: up to this many speculative steps per
         dispatch (``spec_block.py``; the n-gram stream grows on the device between them).
-        1: off (one step per dispatch).
+        1: off (one step per dispatch). None (the default): ``SPECULATIVE_DECODE_STEPS`` with
+        speculative decoding (at batch 1 a speculative step's host work is about half its
+        device work on a CPU: ``docs/benchmarks.md``), else 1.
     tp: tensor parallelism — devices one engine replica's model and KV pool are split over.
     dp: data parallelism — engine replicas (each on its own ``tp`` devices) behind one router.
     role: what the engine runs (``docs/scaling.md``, disaggregation): "mixed" (prompts and
@@ -135,12 +139,15 @@ class EngineConfig:
     speculative_max_batch: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
-    decode_steps: int = 1
+    decode_steps: int | None = None
     tp: int = 1
     dp: int = 1
     role: str = "mixed"
 
     def __post_init__(self):
+        if self.decode_steps is None:
+            speculates = self.speculative is not None or self.speculative_model is not None
+            object.__setattr__(self, "decode_steps", SPECULATIVE_DECODE_STEPS if speculates else 1)
         for name in (
             "max_slots",
             "page_size",
