@@ -297,6 +297,27 @@ def test_blocks_of_decode_steps_stream_several_tokens_per_dispatch():
     assert eng.scheduler.allocator.num_used == 0
 
 
+def test_a_block_runs_past_a_request_end_while_its_idle_rows_stay_in_budget():
+    """With a queue, a block runs past the first request's end for as long as the idle slot
+    rows stay within ``BLOCK_IDLE_STEPS`` steps' worth of slots (then the queue gets the slot):
+    2 slots, 8-step blocks, 3 tokens left for one request and 29 for the other: idle rows
+    1, 2, 3, 4 for blocks of 4..7 steps, 5 for 8 (over 2 x 2), so the block runs 7 steps."""
+    from jbatch.engine.scheduler import BLOCK_IDLE_STEPS
+
+    assert BLOCK_IDLE_STEPS == 2  # the arithmetic above
+    eng = mock_engine(max_slots=2, decode_steps=8, debug_checks=True)
+    prompts = [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    ids = [eng.add_request(p, greedy(n)) for p, n in zip(prompts, (4, 30, 5))]
+    planned = []
+    block_steps = eng.scheduler.block_steps
+    eng.scheduler.block_steps = lambda: planned.append(block_steps()) or planned[-1]
+    tokens = run_all(eng)
+    for rid, p, n in zip(ids, prompts, (4, 30, 5)):
+        assert tokens[rid] == expected_tokens(p, n, 0, False, VOCAB)
+    assert next(n for n in planned if n > 1) == 7, planned
+    assert eng.scheduler.allocator.num_used == 0
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
