@@ -173,8 +173,9 @@ class VLLMRunner:
 def make_runner(engine: str, model: str, slots: int, max_len: int):
     if engine in ("jbatch", "jbatch_static"):
         return JbatchRunner(model, slots, max_len, static=engine == "jbatch_static")
-    if engine == "jbatch_blocks8":
-        return JbatchRunner(model, slots, max_len, static=False, decode_steps=8)
+    if engine.startswith("jbatch_blocks"):  # jbatch_blocksN: blocks of N decode steps
+        n = int(engine.removeprefix("jbatch_blocks"))
+        return JbatchRunner(model, slots, max_len, static=False, decode_steps=n)
     runners = {"hf_static": HFStaticRunner, "hf_continuous": HFContinuousRunner, "vllm": VLLMRunner}
     if engine not in runners:
         raise ValueError(f"unknown engine {engine!r}")

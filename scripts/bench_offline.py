@@ -33,10 +33,14 @@ import numpy as np
 from bench_shapes import SHAPES, checkpoint_for
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ("jbatch", "jbatch_blocks8", "jbatch_static", "hf_static", "hf_continuous", "vllm")
+ENGINES = (
+    "jbatch", "jbatch_blocks8", "jbatch_blocks16", "jbatch_static", "hf_static", "hf_continuous",
+    "vllm",
+)  # fmt: skip
 LABELS = {
     "jbatch": "jbatch continuous",
     "jbatch_blocks8": "jbatch decode_steps=8",
+    "jbatch_blocks16": "jbatch decode_steps=16",
     "jbatch_static": "jbatch static",
     "hf_static": "HF generate (static)",
     "hf_continuous": "HF generate_batch (CB)",
