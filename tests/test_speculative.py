@@ -108,6 +108,16 @@ def test_any_mix_of_requests_compiles_nothing_and_sampling_is_deterministic(spec
     for a, b in zip(first, second):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert len(first[4].outputs[0].logprobs) == 24  # one logprob dict per token
+    # n-gram proposals are verified by the coupled rule (spec_verify.py): a seeded request's
+    # tokens are its tokens without speculation, whatever was proposed.
+    seeded = [1, 2, 6]
+    alone = llm.generate(
+        [prompts[i] for i in seeded],
+        [params[i].replace(speculative=False) for i in seeded],
+        use_tqdm=False,
+    )
+    for i, out in zip(seeded, alone):
+        assert first[i].outputs[0].token_ids == out.outputs[0].token_ids, i
     plain = llm.engine.core.programs_run
     assert any(key[0] == "spec" for key, n in plain.items() if n)
     assert_drained(llm)

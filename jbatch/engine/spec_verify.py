@@ -12,13 +12,19 @@ penalties and the structured-output mask, which requests that speculate never ha
    ``d_{j+1}`` with draft probability ``q_j(d_{j+1})`` is accepted when ``u_j * q_j < p_j``;
    at the first rejection the token is drawn from ``max(0, p_j - q_j)`` renormalised; if all
    ``n`` are accepted, a bonus token is drawn from ``p_n``. Every emitted token is then
-   distributed exactly as under ``p`` (the n-gram proposer's ``q`` is a point mass: accept
-   with probability ``p_j(d)``, else draw from ``p_j`` without ``d``).
+   distributed exactly as under ``p``. The n-gram proposer's ``q`` is a point mass, for which
+   the rule is *coupled*: each row draws the target's own token ``x_j`` with the uniform a
+   non-speculative step would use at that position, ``d_{j+1}`` is accepted iff it equals
+   ``x_j``, and the token after the run is that ``x_j`` — acceptance with probability
+   ``p_j(d)``, after a rejection a draw from ``p_j`` without ``d``, as rejection sampling
+   asks; and a seeded request's output is token for token its output without speculation,
+   whatever was proposed (so it does not depend on how steps fell into dispatches).
 3. Randomness is per request, as in ``sampler.py``: the uniform of output position ``i`` is
    ``uniforms(seed, num_generated + i)`` — used either by the accept test of row ``i`` or by
-   the final draw at row ``i`` — and a rejection's residual draw uses stream
-   ``RESIDUAL_STREAM`` of the same position. A seeded request is deterministic, and a row
-   with no proposals samples exactly as a non-speculative step would.
+   the final draw at row ``i`` (n-gram: row ``i``'s own draw) — and a rejection's residual
+   draw uses stream ``RESIDUAL_STREAM`` of the same position. A seeded request is
+   deterministic, and a row with no proposals samples exactly as a non-speculative step
+   would.
 """
 
 from __future__ import annotations
@@ -105,15 +111,19 @@ def _sampled(x, drafts, num_drafts, sp, step_index, draft_probs, accept_bias):
     greedy = is_greedy(sp.temperature)
     masked = filtered_logits(flat, _rows(sp, k1), jnp.repeat(greedy, k1)).reshape(g, k1, vocab)
     log_p = masked - log_normalizer(masked.reshape(g * k1, vocab)).reshape(g, k1, 1)
-    p = jnp.exp(log_p)  # [G, K1, V]
-    p_draft = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]  # [G, K]
-    if draft_probs is None:
-        q_draft = jnp.ones_like(p_draft)
-    else:
-        q_draft = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
     steps = step_index[:, None] + jnp.arange(k1, dtype=jnp.int32)  # [G, K1] output positions
     seeds = jnp.broadcast_to(sp.seed[:, None], steps.shape)
     u = uniforms(seeds.ravel(), steps.ravel()).reshape(g, k1)  # [G, K1]
+    if draft_probs is None:  # point masses: the coupled rule (module doc, 2)
+        own = inverse_cdf(masked.reshape(g * k1, vocab), u.ravel()).reshape(g, k1)  # [G, K1]
+        sampled_ok = drafts == own[:, :k]  # [G, K]
+        if accept_bias:  # tests only: accept a rejected proposal with this probability too
+            u_bias = uniforms(seeds.ravel(), steps.ravel(), RESIDUAL_STREAM).reshape(g, k1)
+            sampled_ok = sampled_ok | (u_bias[:, :k] < accept_bias)
+        return sampled_ok, lambda accepted: own[jnp.arange(g), accepted]
+    p = jnp.exp(log_p)  # [G, K1, V]
+    p_draft = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]  # [G, K]
+    q_draft = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
     sampled_ok = u[:, :k] * q_draft < p_draft + accept_bias * q_draft  # [G, K]
 
     def draw(accepted: Int32[Array, " groups"]) -> Int32[Array, " groups"]:
