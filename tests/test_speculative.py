@@ -163,7 +163,12 @@ def test_speculative_steps_overlap_and_the_device_clips_to_the_pool(spec_llama, 
 
 def test_stop_conditions_cut_an_accepted_run(spec_llama):
     """A stop token or max_tokens inside an accepted run ends the output exactly there."""
-    llm, _ = spec_llama
+    assert_stops_cut_runs(spec_llama[0])
+
+
+def assert_stops_cut_runs(llm: LLM) -> None:
+    """A stop token or max_tokens inside an accepted run (or a block of steps) ends the
+    output exactly there."""
     prompt = repetitive_prompts(384, 1, seed=9)[0]
     full = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stop = full[10]

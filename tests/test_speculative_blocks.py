@@ -13,7 +13,7 @@ import pytest
 from jbatch import LLM, SamplingParams
 from tests.compile_counter import count_compiles
 from tests.test_engine import assert_drained, assert_teacher_forced, churn_with_random_aborts
-from tests.test_speculative import SPEC, repetitive_prompts
+from tests.test_speculative import SPEC, assert_stops_cut_runs, repetitive_prompts
 
 # Four slots, speculation up to two decoding requests: with three or four, plain blocks run.
 BLOCKS = {**SPEC, "decode_steps": 3, "speculative_max_batch": 2, "num_pages": 48}
@@ -91,17 +91,7 @@ def test_blocks_propose_what_step_by_step_proposes(engines):
 
 
 def test_stop_conditions_cut_inside_a_block(engines):
-    llm, _, _ = engines
-    prompt = repetitive_prompts(384, 1, seed=9)[0]
-    full = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    stop = full[10]
-    cut = llm.generate([prompt], GREEDY.replace(stop_token_ids=[stop]), use_tqdm=False)[0]
-    assert cut.outputs[0].token_ids == full[: full.index(stop) + 1]
-    assert cut.outputs[0].finish_reason == "stop"
-    for m in (1, 2, 5, 13):
-        short = llm.generate([prompt], GREEDY.replace(max_tokens=m), use_tqdm=False)[0]
-        assert short.outputs[0].token_ids == full[:m]
-    assert_drained(llm)
+    assert_stops_cut_runs(engines[0])
 
 
 def test_plain_blocks_land_before_a_speculative_dispatch(engines, monkeypatch):

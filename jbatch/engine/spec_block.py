@@ -51,7 +51,7 @@ def spec_block(
     ngram = state.spec_emitted is not None  # else a draft model proposes
     kept = state.spec_emitted.shape[1] if ngram else 0
     stream = ngram_stream(state, batch, gs_c) if ngram else None
-    if stream is not None and max_steps > 1:  # room for the block's tokens (module doc, 1)
+    if ngram and max_steps > 1:  # room for the block's tokens (module doc, 1)
         stream = (jnp.pad(stream[0], ((0, 0), (0, (max_steps - 1) * k1))), stream[1])
 
     def run(st, stream):
