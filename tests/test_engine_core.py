@@ -10,6 +10,7 @@ import numpy as np
 
 from jbatch import LLM, SamplingParams
 from jbatch.checkpoint import load_model
+from jbatch.engine import sampling_rows
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import StepBatch, insert, insert_one, prompt_batch, release, step
 from jbatch.engine.state import init_state
@@ -58,3 +59,17 @@ def test_scan_of_steps_inside_user_jit_matches_llm(hf_checkpoint):
         [prompt], SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True), use_tqdm=False
     )
     np.testing.assert_array_equal(np.asarray(tokens), want[0].outputs[0].token_ids)
+
+
+def test_head_rows_keep_every_sampling_row_when_a_bucket_has_more_rows_than_slots():
+    s = 4
+    rows = jnp.arange(7, dtype=jnp.int32) * 10
+    slots = jnp.asarray([s, 2, s, 0, s, 3, s], jnp.int32)  # 3 rows sample, 4 sample nothing
+    got_rows, got_slots = sampling_rows.head_rows(rows, slots, s)
+    assert got_rows.shape == (s,)
+    np.testing.assert_array_equal(np.asarray(got_slots), [2, 0, 3, s])
+    np.testing.assert_array_equal(np.asarray(got_rows)[:3], [10, 30, 50])
+    few = sampling_rows.head_rows(rows[:3], slots[:3], s)  # fewer candidates than slots: as is
+    np.testing.assert_array_equal(np.asarray(few[1]), [s, 2, s])
+    out = sampling_rows.to_slots(jnp.asarray([7, 8, 9, 1]), got_slots, s)
+    np.testing.assert_array_equal(np.asarray(out), [8, 0, 7, 9])

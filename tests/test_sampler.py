@@ -278,3 +278,26 @@ def test_bfloat16_logits_and_set_row():
     tok, lp = call(jnp.asarray(x, jnp.bfloat16), sp)
     assert tok.dtype == np.int32 and lp.dtype == np.float32
     assert tok[0] == np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)).argmax(-1)[0]
+
+
+def test_rows_read_the_penalty_statistics_of_their_slots():
+    """The engine samples a step's rows, whose penalty statistics live per slot: ``rows`` maps
+    each row to its slot, and the result is that of sampling the slots' own rows."""
+    rng = np.random.default_rng(3)
+    slots, vocab = 6, 300
+    logits = jnp.asarray(rng.normal(size=(slots, vocab)), jnp.float32)
+    prompt_mask = jnp.asarray(rng.random((slots, vocab)) < 0.2)
+    counts = jnp.asarray(rng.integers(0, 3, (slots, vocab)), jnp.int32)
+    sp = SlotSampling.neutral(slots).replace(
+        temperature=jnp.asarray([0.0, 0.8, 0.0, 1.2, 0.5, 0.0], jnp.float32),
+        repetition_penalty=jnp.asarray([1.3, 1.0, 1.1, 1.0, 1.5, 2.0], jnp.float32),
+        frequency_penalty=jnp.asarray([0.0, 0.4, 0.0, 0.2, 0.0, 0.0], jnp.float32),
+        seed=jnp.arange(slots, dtype=jnp.uint32),
+    )
+    step = jnp.asarray([0, 3, 1, 7, 2, 5], jnp.int32)
+    want_tok, want_lp = sample(logits, sp, step, prompt_mask, counts)
+    rows = jnp.asarray([4, 1, 5, 0], jnp.int32)  # a step's rows, in any order, some slots idle
+    at = lambda a: a[rows]
+    tok, lp = sample(at(logits), jax.tree.map(at, sp), at(step), prompt_mask, counts, rows=rows)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(want_tok)[rows])
+    np.testing.assert_array_equal(np.asarray(lp), np.asarray(want_lp)[rows])

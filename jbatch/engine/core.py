@@ -26,7 +26,7 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int32, Shaped
 
-from jbatch.engine import buckets
+from jbatch.engine import buckets, sampling_rows
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.draft_proposer import step_draft_cache
 from jbatch.engine.logprobs import TopLogprobs, pack, prompt_top_logprobs, sampled_top_logprobs
@@ -221,7 +221,8 @@ class ForwardResult:
     """What :func:`step_forward` hands :func:`step_sample`: the step's logits and the rows that
     sample (everything sampling needs that the state does not hold)."""
 
-    logits: Float[Array, "slots vocab"]  # each slot's row of the LM head (float32)
+    logits: Float[Array, "rows vocab"]  # the LM head on the rows that sample (float32)
+    row_slots: Int32[Array, " rows"]  # each row's slot (max_slots: none; sampling_rows.py)
     sampled: Bool[Array, " slots"]  # slots that sample this step
     want_top: Bool[Array, " slots"]  # slots that asked for top logprobs
     prompt_top: TopLogprobs  # per prompt row (computed with the forward)
@@ -287,16 +288,19 @@ def step_forward(
         1, mode="drop"
     )
 
-    # The LM head runs on the decode rows plus one row per prompt block (its completing token,
-    # if any: a block belongs to one sequence); each slot then picks its row of those logits.
+    # The LM head and the sampler run on the decode rows plus one row per prompt block (its
+    # completing token, if any: a block belongs to one sequence), each row tagged with the slot
+    # it samples for (sampling_rows.py).
     completes = p_valid & (p_pos == state.prefill_lens[p_slot] - 1)  # [R]
     nb = p_pos.shape[0] // block_q
     block_done = completes.reshape(nb, block_q)  # [NB, Bq]
     block_row = bd + block_q * jnp.arange(nb) + jnp.argmax(block_done, axis=1)  # [NB]
-    head_rows = jnp.concatenate([jnp.arange(bd), block_row]).astype(jnp.int32)  # [Bd + NB]
-    slot_row = jnp.zeros(s, jnp.int32).at[ds].set(jnp.arange(bd, dtype=jnp.int32), mode="drop")
     done_slot = jnp.where(block_done.any(axis=1), p_slot[block_q * jnp.arange(nb)], s)  # [NB]
-    slot_row = slot_row.at[done_slot].set(bd + jnp.arange(nb, dtype=jnp.int32), mode="drop")
+    head_rows, row_slots = sampling_rows.head_rows(
+        jnp.concatenate([jnp.arange(bd), block_row]).astype(jnp.int32),  # [Bd + NB]
+        jnp.concatenate([jnp.where(row_decodes, ds, s), done_slot]).astype(jnp.int32),
+        s,
+    )  # [H], [H]
     sampled = decode.at[done_slot].set(True, mode="drop")
 
     def constrained(logits: Float[Array, "n vocab"]) -> Float[Array, "n vocab"]:
@@ -305,7 +309,7 @@ def step_forward(
         return logits
 
     head = lambda h: constrained(compute_logits(params, h, model_cfg))  # [n, E] -> [n, V]
-    logits = constrained(compute_logits(params, hidden[head_rows], model_cfg)[slot_row])  # [S, V]
+    logits = constrained(compute_logits(params, hidden[head_rows], model_cfg))  # [H, V]
     prompt_top = prompt_top_logprobs(head, hidden[bd:], batch.prefill_targets, block_q)
 
     seq_lens = jnp.where(decode, state.seq_lens + 1, state.seq_lens)
@@ -318,7 +322,7 @@ def step_forward(
         prompt_mask=prompt_mask,
         output_counts=counts,
     )
-    return new_state, ForwardResult(logits, sampled, batch.want_top_logprobs, prompt_top)
+    return new_state, ForwardResult(logits, row_slots, sampled, batch.want_top_logprobs, prompt_top)
 
 
 def step_sample(
@@ -327,23 +331,26 @@ def step_sample(
     token_bitmask: Int32[Array, "slots words"] | None = None,
 ) -> tuple[EngineState, StepOutput]:
     """Steps 4-5 of the module doc: sample one token for every slot of ``fwd.sampled``
-    (``token_bitmask``: the tokens each may take), advance the counters."""
-    s = state.max_slots
-    new_tok, logprobs = sample(
-        fwd.logits, state.sampling, state.num_generated, state.prompt_mask,
-        state.output_counts, token_bitmask,
-    )  # fmt: skip
-    top = sampled_top_logprobs(fwd.logits, new_tok, fwd.want_top)
-    slot_ids = jnp.arange(s, dtype=jnp.int32)
-    counts = state.output_counts.at[jnp.where(fwd.sampled, slot_ids, s), new_tok].add(
-        1, mode="drop"
+    (``token_bitmask``: the tokens each may take), advance the counters. Sampling runs on the
+    rows of ``fwd.logits`` (``sampling_rows.py``); the output has one entry per slot."""
+    s, rs = state.max_slots, fwd.row_slots
+    sp, step_index, want = sampling_rows.slot_view(
+        (state.sampling, state.num_generated, fwd.want_top), rs, s
     )
+    allowed = None if token_bitmask is None else sampling_rows.slot_view(token_bitmask, rs, s)
+    new_tok, logprobs = sample(
+        fwd.logits, sp, step_index, state.prompt_mask, state.output_counts, allowed,
+        rows=jnp.minimum(rs, s - 1),
+    )  # fmt: skip
+    top = sampled_top_logprobs(fwd.logits, new_tok, want & (rs < s))
+    counts = state.output_counts.at[rs, new_tok].add(1, mode="drop")
     new_state = state.replace(
-        tokens=jnp.where(fwd.sampled, new_tok, state.tokens),
+        tokens=state.tokens.at[rs].set(new_tok, mode="drop"),
         num_generated=state.num_generated + fwd.sampled,
         output_counts=counts,
     )
-    return new_state, StepOutput(new_tok, fwd.sampled, logprobs, top, fwd.prompt_top)
+    tokens, logprobs, top = sampling_rows.to_slots((new_tok, logprobs, top), rs, s)
+    return new_state, StepOutput(tokens, fwd.sampled, logprobs, top, fwd.prompt_top)
 
 
 def step(

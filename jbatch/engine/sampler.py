@@ -28,6 +28,7 @@ from jbatch.sampling_params import is_greedy, uses_penalties
 
 CANDIDATES = 256  # top-k / top-p are resolved from this many largest logits when possible
 BLOCK = 256  # inverse-CDF sampling: vocab is scanned in blocks of this many tokens
+LSE_PARTS = 8  # log_normalizer: vocabulary slices whose exponentials are added first
 
 
 @flax.struct.dataclass
@@ -86,9 +87,23 @@ def _tree_sum(x: Float[Array, "*b n"]) -> Float[Array, "*b"]:
 
 def log_normalizer(logits: Float[Array, "n vocab"]) -> Float[Array, " n"]:
     """Per row ``logsumexp`` (a fixed summation order): ``logits - it`` is the raw model's
-    ``log_softmax``, for the chosen token here and the top-k logprobs (``logprobs.py``)."""
-    row_max = jnp.max(logits, axis=-1)  # [n]
-    return row_max + jnp.log(_tree_sum(jnp.exp(logits - row_max[:, None])))
+    ``log_softmax``, for the chosen token here and the top-k logprobs (``logprobs.py``).
+
+    The exponentials are summed in ``LSE_PARTS`` vocabulary slices first (pairwise), so XLA
+    fuses them into those additions and never writes a ``[n, vocab]`` array, then in
+    ``BLOCK``-wide blocks, then over the blocks (no padding to a power of two). At 32 rows of
+    a 49 152 vocabulary: 2.6 ms -> 0.7 ms (XLA:CPU, measured)."""
+    row_max = jnp.max(logits, axis=-1, keepdims=True)  # [n, 1]
+    n, vocab = logits.shape
+    parts = LSE_PARTS if vocab % LSE_PARTS == 0 and vocab >= LSE_PARTS * BLOCK else 1
+    w = vocab // parts
+    e = [jnp.exp(logits[:, i * w : (i + 1) * w] - row_max) for i in range(parts)]  # [n, w]
+    while len(e) > 1:
+        e = [e[i] + e[i + 1] for i in range(0, len(e), 2)]
+    e = e[0]  # [n, w]
+    if w > BLOCK and w % BLOCK == 0:
+        e = _tree_sum(e.reshape(n, w // BLOCK, BLOCK))  # [n, w / BLOCK]
+    return row_max[:, 0] + jnp.log(_tree_sum(e))
 
 
 def _cumsum(x: Float[Array, "*b n"]) -> Float[Array, "*b n"]:
@@ -269,18 +284,23 @@ def apply_bitmask(
 def processed_logits(
     logits: Float[Array, "slots vocab"],
     sp: SlotSampling,
-    prompt_mask: Bool[Array, "slots vocab"],
-    output_counts: Int32[Array, "slots vocab"],
+    prompt_mask: Bool[Array, "n vocab"],
+    output_counts: Int32[Array, "n vocab"],
     allowed: Int32[Array, "slots words"] | None = None,
+    rows: Int32[Array, " slots"] | None = None,
 ) -> Float[Array, "slots vocab"]:
     """Steps 1 and 1b of the module doc (penalties, then the structured-output bitmask), each
-    skipped at run time when no row needs it: the logits every later step starts from."""
+    skipped at run time when no row needs it: the logits every later step starts from.
+    ``rows``: logits row i is ``prompt_mask`` / ``output_counts`` row ``rows[i]`` (gathered
+    only when some row has penalties); None: the same rows."""
+
+    def penalised():
+        if rows is None:
+            return _apply_penalties(logits, sp, prompt_mask, output_counts)
+        return _apply_penalties(logits, sp, prompt_mask[rows], output_counts[rows])
+
     pen = uses_penalties(sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty)
-    x = jax.lax.cond(
-        jnp.any(pen),
-        lambda: _apply_penalties(logits, sp, prompt_mask, output_counts),
-        lambda: logits,
-    )  # [S, V]
+    x = jax.lax.cond(jnp.any(pen), penalised, lambda: logits)  # [S, V]
     if allowed is not None:
         x = jax.lax.cond(jnp.any(allowed != -1), apply_bitmask, lambda x, _: x, x, allowed)
     return x
@@ -290,20 +310,35 @@ def sample(
     logits: Float[Array, "slots vocab"],
     sp: SlotSampling,
     step_index: Int32[Array, " slots"],
-    prompt_mask: Bool[Array, "slots vocab"],
-    output_counts: Int32[Array, "slots vocab"],
+    prompt_mask: Bool[Array, "n vocab"],
+    output_counts: Int32[Array, "n vocab"],
     allowed: Int32[Array, "slots words"] | None = None,
+    rows: Int32[Array, " slots"] | None = None,
 ) -> tuple[Int32[Array, " slots"], Float[Array, " slots"]]:
-    """Pick one token per slot; returns (token ids [S], raw-model logprob of each token [S]).
-    ``allowed``: a token bitmask per slot (structured output; all ones = unconstrained)."""
+    """Pick one token per row; returns (token ids [S], raw-model logprob of each token [S]).
+    ``allowed``: a token bitmask per row (structured output; all ones = unconstrained).
+    ``rows``: where each row's penalty statistics are in ``prompt_mask`` / ``output_counts``
+    (the engine samples a step's rows, its statistics are per slot); None: row i is row i."""
     logits = logits.astype(jnp.float32)  # [S, V]
-    x = processed_logits(logits, sp, prompt_mask, output_counts, allowed)  # [S, V]
     greedy = is_greedy(sp.temperature)  # [S]
-    greedy_tok = argmax(x)  # [S]
+
+    def choose(x: Float[Array, "slots vocab"]) -> Int32[Array, " slots"]:
+        greedy_tok = argmax(x)  # [S]
+        return jax.lax.cond(
+            jnp.all(greedy),
+            lambda: greedy_tok,
+            lambda: jnp.where(greedy, greedy_tok, _random_tokens(x, sp, step_index, greedy)),
+        )
+
+    # Steps 1-1b only when some row has penalties or a bitmask, in a conditional around the
+    # whole choice: it returns [S] tokens, not [S, V] logits (XLA:CPU copies a conditional's
+    # [S, V] result even when it passes its operand through: 1.3 ms at 32 x 49 152).
+    pen = uses_penalties(sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty)
+    processed = jnp.any(pen) if allowed is None else jnp.any(pen) | jnp.any(allowed != -1)
     tokens = jax.lax.cond(
-        jnp.all(greedy),
-        lambda: greedy_tok,
-        lambda: jnp.where(greedy, greedy_tok, _random_tokens(x, sp, step_index, greedy)),
+        processed,
+        lambda: choose(processed_logits(logits, sp, prompt_mask, output_counts, allowed, rows)),
+        lambda: choose(logits),
     )  # [S]
     lse = log_normalizer(logits)  # [S]
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse  # [S]
