@@ -342,14 +342,15 @@ def step_sample(
         fwd.logits, sp, step_index, state.prompt_mask, state.output_counts, allowed,
         rows=jnp.minimum(rs, s - 1),
     )  # fmt: skip
-    top = sampled_top_logprobs(fwd.logits, new_tok, want & (rs < s))
+    to_slots = lambda rows: sampling_rows.to_slots(rows, rs, s)
+    top = sampled_top_logprobs(fwd.logits, new_tok, want & (rs < s), to_slots, s)  # [S]
     counts = state.output_counts.at[rs, new_tok].add(1, mode="drop")
     new_state = state.replace(
         tokens=state.tokens.at[rs].set(new_tok, mode="drop"),
         num_generated=state.num_generated + fwd.sampled,
         output_counts=counts,
     )
-    tokens, logprobs, top = sampling_rows.to_slots((new_tok, logprobs, top), rs, s)
+    tokens, logprobs = to_slots((new_tok, logprobs))
     return new_state, StepOutput(tokens, fwd.sampled, logprobs, top, fwd.prompt_top)
 
 

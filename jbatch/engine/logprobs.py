@@ -72,13 +72,21 @@ def top_logprobs(logits: Float[Array, "n vocab"], token: Int32[Array, " n"]) -> 
 
 
 def sampled_top_logprobs(
-    logits: Float[Array, "slots vocab"], tokens: Int32[Array, " slots"], want: Bool[Array, " slots"]
+    logits: Float[Array, "n vocab"],
+    tokens: Int32[Array, " n"],
+    want: Bool[Array, " n"],
+    place: Callable[[TopLogprobs], TopLogprobs] | None = None,
+    out_rows: int | None = None,
 ) -> TopLogprobs:
-    """:func:`top_logprobs` of the sampled tokens, computed only when some slot wants them."""
+    """:func:`top_logprobs` of the sampled tokens, computed only when some row wants them.
+    ``place`` maps the rows' result to ``out_rows`` output rows (the engine: its sampling rows
+    to one row per slot), inside the conditional; otherwise zeros are all that is written."""
+    place = (lambda top: top) if place is None else place
+    n = logits.shape[0] if out_rows is None else out_rows
     return jax.lax.cond(
         jnp.any(want),
-        lambda: top_logprobs(logits, tokens),
-        lambda: TopLogprobs.zeros(logits.shape[0]),
+        lambda: place(top_logprobs(logits, tokens)),
+        lambda: TopLogprobs.zeros(n),
     )
 
 

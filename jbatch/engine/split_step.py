@@ -8,8 +8,9 @@ device runs it, the host reads the previous step's tokens, feeds the grammar mat
 the mask; then the sampling program (``core.step_sample``) takes the logits and the mask. Same
 math as the fused step (``core.step`` is the two composed), so the same tokens.
 
-Compiled per bucket pair (forward) and per prefill bucket (sampling: its result carries the
-prompt rows' logprobs), on one device; warm-up compiles them with the fused programs.
+Compiled per bucket pair (forward and sampling: the sampling program's shapes are the pair's
+sampling rows and its prompt rows, whose logprobs its result carries), on one device; warm-up
+compiles them with the fused programs.
 """
 
 from __future__ import annotations
