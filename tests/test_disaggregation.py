@@ -89,7 +89,7 @@ def test_each_role_compiles_its_own_programs():
     mixed = set(buckets.bucket_pairs(EngineConfig(**cfg)))
     prefill = set(buckets.bucket_pairs(EngineConfig(**cfg, role="prefill")))
     decode = set(buckets.bucket_pairs(EngineConfig(**cfg, role="decode")))
-    assert prefill == {(8, 0), (32, 0)}  # prompt rows only, no decode row
+    assert prefill == {(8, 0), (16, 0), (24, 0), (32, 0)}  # prompt rows only, no decode row
     assert decode == {(0, 1), (0, 2), (0, 4), (0, 8)}  # decode-only programs
     assert decode < mixed and not prefill & mixed
     assert EngineConfig(**cfg, role="prefill").swaps and not EngineConfig(**cfg).swaps
@@ -205,7 +205,7 @@ def test_tp_disaggregation_exercises_cache_and_preemption(inprocess):
     assert inprocess["prefix_hits"]["decode"] > 0  # handed-over prompts share cached pages
     assert inprocess["swap_outs"]["decode"] > 0  # the small decode pool preempted by swapping
     assert inprocess["programs"] == {
-        "prefill": [[8, 0], [32, 0]],
+        "prefill": [[8, 0], [16, 0], [24, 0], [32, 0]],
         "decode": [[0, 1], [0, 2], [0, 4], [0, 8]],
     }
     for key in ("pages_used", "requests_left"):

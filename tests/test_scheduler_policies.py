@@ -3,6 +3,7 @@ aging, aborts — invariants after every step and exact outputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -233,12 +234,27 @@ def test_aging_bounds_the_wait_of_a_low_priority_long_prompt():
 
 def test_fit_prompt_rows_picks_the_nearest_bucket_above_the_smallest():
     cfg = EngineConfig(block_q=16, max_num_batched_tokens=512)
-    assert buckets.prefill_buckets(cfg) == (0, 16, 64, 256, 512)
+    assert buckets.prefill_buckets(cfg) == (0, 16, 32, 48, 64, 256, 512)
     wanted = (1, 16, 32, 48, 64, 80, 144, 160, 256, 368, 384, 512, 600)
     fit = {w: buckets.fit_prompt_rows(cfg, w) for w in wanted}
     # never down to the single-block bucket; down while fewer rows are left over than padded
-    assert fit == {1: 16, 16: 16, 32: 64, 48: 64, 64: 64, 80: 64, 144: 64, 160: 256, 256: 256,
+    assert fit == {1: 16, 16: 16, 32: 32, 48: 48, 64: 64, 80: 64, 144: 64, 160: 256, 256: 256,
                    368: 256, 384: 512, 512: 512, 600: 512}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("block_q", "budget", "want"),
+    [(16, 16, (16,)), (16, 40, (16, 32, 48)), (16, 64, (16, 32, 48, 64)),
+     (8, 256, (8, 16, 24, 32, 128, 256)), (16, 2048, (16, 32, 48, 64, 256, 1024, 2048))],
+)  # fmt: skip
+def test_prefill_buckets_are_whole_blocks_up_to_four_then_4x_apart(block_q, budget, want):
+    cfg = EngineConfig(block_q=block_q, max_num_batched_tokens=budget, max_slots=32)
+    assert buckets.prefill_buckets(cfg) == (0, *want)
+    assert buckets.prefill_buckets(dataclasses.replace(cfg, role="prefill")) == want
+    # Between the 4x rungs: the full decode bucket only (a busy batch admitting a prompt).
+    rungs = {r for r in want if r == want[-1] or (r // block_q) in (1, 4, 16, 64, 256)}
+    for rows in want:
+        assert buckets.decode_buckets(cfg, rows) == ((8, 32) if rows in rungs else (32,)), rows
 
 
 def test_a_prompt_just_past_a_bucket_is_chunked_not_padded_to_the_next():

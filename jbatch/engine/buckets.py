@@ -7,12 +7,22 @@ slots of 32 does not pay for 32). :func:`bucket_pairs` lists every (rows, decode
 compiled program each; warm-up compiles them all, so nothing compiles while serving. The
 context length is not a bucket: attention walks the page tables with a traced trip count.
 
+Prompt rows cost what their bucket holds, padding included (~1.3 ms a row on the 30-layer
+SmolLM2-135M shape, CPU), and a running batch admits about one short prompt per step as slots
+free up. So the small prefill buckets are every whole number of ``block_q`` blocks up to
+LINEAR_PREFILL_BLOCKS (16/32/48/64 rows: a 40-token prompt pays 48 rows, not 64), and the
+larger ones are 4x apart up to the token budget (256, 512: long prompts are chunked anyway).
+The buckets between the 4x ladder's rungs (32, 48) serve a busy batch admitting a prompt, so
+they compile with the full decode bucket only; a step with few decodes and such a prompt runs
+with its decode rows padded to ``max_slots`` (as cheap as the next rung's few-decode program).
+
 Decode-only steps (``rows == 0``: the steady state, and the tail end of a long tail with a few
-long requests left) get power-of-two decode buckets down to one row: on the 30-layer
-SmolLM2-135M shape a decode step of 1/2/4/8/16/32 rows took 20/27/30/37/49/74 ms (CPU, context
-200), so a step pays for about the rows it uses. Steps with prompt rows, whose cost the prompt
-rows dominate, get only ``max_slots`` and its quarters (at least 8 rows), which bounds the
-program count: 32 slots and 4 prefill buckets compile 6 + 3 x 2 = 12 step programs.
+long requests left) get power-of-two decode buckets down to one row: on the 30-layer shape a
+decode step of 1/2/4/8/16/32 rows took 20/27/30/37/49/74 ms (CPU, context 200), so a step pays
+for about the rows it uses. Steps with prompt rows, whose cost the prompt rows dominate, get
+only ``max_slots`` and its quarters (at least 8 rows), which bounds the program count: 32 slots
+and a 512-token budget (prefill buckets 16/32/48/64/256/512) compile 6 + 4 x 2 + 2 = 16 step
+programs.
 
 Roles (``EngineConfig.role``, disaggregation): a "prefill" engine never decodes, so it compiles
 one program per non-zero prefill bucket, each with zero decode rows; a "decode" engine compiles
@@ -29,15 +39,30 @@ def block_rows(cfg: EngineConfig, tokens: int) -> int:
     return -(-tokens // cfg.block_q) * cfg.block_q
 
 
-def prefill_buckets(cfg: EngineConfig) -> tuple[int, ...]:
-    """Prompt-chunk row counts: 0 (decode only), then block_q x powers of 4 up to the budget."""
+LINEAR_PREFILL_BLOCKS = 4  # prompt buckets of 1, 2, ... this many blocks, then 4x apart
+
+
+def _ladder(cfg: EngineConfig) -> list[int]:
+    """``block_q`` x powers of 4 below the token budget's rows, then the budget's rows."""
     top = block_rows(cfg, cfg.max_num_batched_tokens)
-    rows, r = [0], cfg.block_q
-    while r < top:
-        rows.append(r)
-        r *= 4
-    rows.append(top)
-    return tuple(rows[1:]) if cfg.role == "prefill" else tuple(rows)
+    rows = [cfg.block_q]
+    while rows[-1] * 4 < top:
+        rows.append(rows[-1] * 4)
+    return [r for r in rows if r < top] + [top]
+
+
+def _between(cfg: EngineConfig) -> set[int]:
+    """The prefill buckets off the 4x ladder: whole blocks up to LINEAR_PREFILL_BLOCKS."""
+    top = block_rows(cfg, cfg.max_num_batched_tokens)
+    linear = {cfg.block_q * k for k in range(2, LINEAR_PREFILL_BLOCKS + 1)}
+    return {r for r in linear if r < top} - set(_ladder(cfg))
+
+
+def prefill_buckets(cfg: EngineConfig) -> tuple[int, ...]:
+    """Prompt-chunk row counts: 0 (decode only), then 1 to LINEAR_PREFILL_BLOCKS whole
+    ``block_q`` blocks, then 4x apart up to the budget (module doc)."""
+    rows = sorted({*_ladder(cfg), *_between(cfg)})
+    return tuple(rows) if cfg.role == "prefill" else (0, *rows)
 
 
 def pick_bucket(cfg: EngineConfig, rows: int) -> int:
@@ -70,9 +95,12 @@ MIN_MIXED_DECODE_ROWS = 8
 def decode_buckets(cfg: EngineConfig, rows: int = 0) -> tuple[int, ...]:
     """Decode row counts compiled with ``rows`` prompt-chunk rows: ``max_slots``, then halves
     down to MIN_DECODE_ROWS (decode-only steps) or quarters down to MIN_MIXED_DECODE_ROWS
-    (steps with prompt rows). A prefill engine: zero decode rows only."""
+    (steps with prompt rows on the 4x ladder); ``max_slots`` only with the prefill buckets
+    between the ladder's rungs (module doc). A prefill engine: zero decode rows only."""
     if cfg.role == "prefill":
         return (0,)
+    if rows in _between(cfg):
+        return (cfg.max_slots,)
     shrink, least = (2, MIN_DECODE_ROWS) if rows == 0 else (4, MIN_MIXED_DECODE_ROWS)
     sizes, d = [cfg.max_slots], cfg.max_slots // shrink
     while d >= least:

@@ -309,7 +309,7 @@ def step_forward(
         return logits
 
     head = lambda h: constrained(compute_logits(params, h, model_cfg))  # [n, E] -> [n, V]
-    logits = constrained(compute_logits(params, hidden[head_rows], model_cfg))  # [H, V]
+    logits = head(hidden[head_rows])  # [H, V]
     prompt_top = prompt_top_logprobs(head, hidden[bd:], batch.prefill_targets, block_q)
 
     seq_lens = jnp.where(decode, state.seq_lens + 1, state.seq_lens)
@@ -334,14 +334,14 @@ def step_sample(
     (``token_bitmask``: the tokens each may take), advance the counters. Sampling runs on the
     rows of ``fwd.logits`` (``sampling_rows.py``); the output has one entry per slot."""
     s, rs = state.max_slots, fwd.row_slots
+    at = sampling_rows.slot_index(rs, s)  # [H]
     sp, step_index, want = sampling_rows.slot_view(
-        (state.sampling, state.num_generated, fwd.want_top), rs, s
+        (state.sampling, state.num_generated, fwd.want_top), at
     )
-    allowed = None if token_bitmask is None else sampling_rows.slot_view(token_bitmask, rs, s)
+    allowed = None if token_bitmask is None else sampling_rows.slot_view(token_bitmask, at)
     new_tok, logprobs = sample(
-        fwd.logits, sp, step_index, state.prompt_mask, state.output_counts, allowed,
-        rows=jnp.minimum(rs, s - 1),
-    )  # fmt: skip
+        fwd.logits, sp, step_index, state.prompt_mask, state.output_counts, allowed, rows=at
+    )
     to_slots = lambda rows: sampling_rows.to_slots(rows, rs, s)
     top = sampled_top_logprobs(fwd.logits, new_tok, want & (rs < s), to_slots, s)  # [S]
     counts = state.output_counts.at[rs, new_tok].add(1, mode="drop")

@@ -11,8 +11,8 @@ so its results scatter nowhere (``mode="drop"``).
 
 1. :func:`head_rows` picks the rows from the step's candidates (compacting them to ``max_slots``
    when a bucket has more candidates than slots: at most one sampling row per slot);
-2. :func:`slot_view` gathers each row's per-slot inputs (sampling parameters, step index,
-   bitmask) from the state;
+2. :func:`slot_index` / :func:`slot_view` gather each row's per-slot inputs (sampling
+   parameters, step index, bitmask, penalty statistics) from the state;
 3. :func:`to_slots` scatters per-row results back to one entry per slot for the host.
 """
 
@@ -37,10 +37,15 @@ def head_rows(
     return rows, jnp.append(slots, max_slots)[keep]
 
 
-def slot_view(tree, slots: Int32[Array, " r"], max_slots: int):
-    """Every per-slot array of ``tree`` (leading axis ``max_slots``) at each row's slot; rows
-    with no slot read the last slot (their results are dropped)."""
-    at = jnp.minimum(slots, max_slots - 1)
+def slot_index(slots: Int32[Array, " r"], max_slots: int) -> Int32[Array, " r"]:
+    """The slot each row reads its per-slot inputs from: its own, or the last slot for a row
+    that samples nothing (its results are dropped)."""
+    return jnp.minimum(slots, max_slots - 1)
+
+
+def slot_view(tree, at: Int32[Array, " r"]):
+    """Every per-slot array of ``tree`` (leading axis ``max_slots``) at ``at`` (from
+    :func:`slot_index`): one entry per row."""
     return jax.tree.map(lambda a: a[at], tree)
 
 
