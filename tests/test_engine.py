@@ -96,12 +96,16 @@ def test_greedy_fidelity_vs_hf_through_small_pool(variant, hf_checkpoint, llama)
 
 def test_every_decode_bucket_matches_hf(hf_checkpoint):
     """32 requests whose decodes end one step apart walk every decode-only bucket (32 rows down
-    to 1) and the mixed ones; each program's tokens are HF's argmax."""
+    to 1) and the mixed ones; longer prompts queued behind them are admitted into the busy batch
+    (the prefill buckets between the 4x rungs, 32 and 48 rows, with a full decode bucket).
+    Each program's tokens are HF's argmax."""
     path, model = hf_checkpoint("llama")
     llm = LLM(path, **{**ENGINE, "num_pages": 400, "debug_checks": False})
     rng = np.random.RandomState(3)
     prompts = [rng.randint(3, 384, size=1 + i % 8).tolist() for i in range(32)]
+    prompts += [rng.randint(3, 384, size=n).tolist() for n in (25, 40, 20, 30)]  # the last: alone
     params = [GREEDY.replace(max_tokens=8 + i) for i in range(32)]
+    params += [GREEDY.replace(max_tokens=4)] * 4
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert_teacher_forced(model, prompt, out.outputs[0].token_ids)
@@ -109,6 +113,7 @@ def test_every_decode_bucket_matches_hf(hf_checkpoint):
     decode_only = {d for (rows, d), n in ran.items() if rows == 0 and n}
     assert decode_only == set(buckets.decode_buckets(llm.config, 0)), decode_only
     assert any(rows and n for (rows, _), n in ran.items())  # and steps with prompt rows
+    assert ran[(32, 32)] and ran[(48, 32)], ran
 
 
 def test_batch_invariance_greedy_and_seeded(llama):
