@@ -51,17 +51,17 @@ def _ladder(cfg: EngineConfig) -> list[int]:
     return [r for r in rows if r < top] + [top]
 
 
-def _between(cfg: EngineConfig) -> set[int]:
-    """The prefill buckets off the 4x ladder: whole blocks up to LINEAR_PREFILL_BLOCKS."""
-    top = block_rows(cfg, cfg.max_num_batched_tokens)
+def _between(cfg: EngineConfig, ladder: list[int]) -> set[int]:
+    """The prefill buckets off the 4x ``ladder``: whole blocks up to LINEAR_PREFILL_BLOCKS."""
     linear = {cfg.block_q * k for k in range(2, LINEAR_PREFILL_BLOCKS + 1)}
-    return {r for r in linear if r < top} - set(_ladder(cfg))
+    return {r for r in linear if r < ladder[-1]} - set(ladder)
 
 
 def prefill_buckets(cfg: EngineConfig) -> tuple[int, ...]:
     """Prompt-chunk row counts: 0 (decode only), then 1 to LINEAR_PREFILL_BLOCKS whole
     ``block_q`` blocks, then 4x apart up to the budget (module doc)."""
-    rows = sorted({*_ladder(cfg), *_between(cfg)})
+    ladder = _ladder(cfg)
+    rows = sorted({*ladder, *_between(cfg, ladder)})
     return tuple(rows) if cfg.role == "prefill" else (0, *rows)
 
 
@@ -99,7 +99,7 @@ def decode_buckets(cfg: EngineConfig, rows: int = 0) -> tuple[int, ...]:
     between the ladder's rungs (module doc). A prefill engine: zero decode rows only."""
     if cfg.role == "prefill":
         return (0,)
-    if rows in _between(cfg):
+    if rows in _between(cfg, _ladder(cfg)):
         return (cfg.max_slots,)
     shrink, least = (2, MIN_DECODE_ROWS) if rows == 0 else (4, MIN_MIXED_DECODE_ROWS)
     sizes, d = [cfg.max_slots], cfg.max_slots // shrink
