@@ -121,6 +121,11 @@ def print_table(results: dict, engines: list[str]) -> None:
                 f"{r['wall_s']:>8.2f} {r['peak_rss_mb']:>12.0f} "
                 f"{jb / r['output_tok_per_s']:>8.2f}x"
             )
+        if "vllm" in per_engine:  # the spread behind the medians: repetition i vs vLLM's i-th
+            peer = per_engine["vllm"]["walls"]
+            for e in (e for e in engines if e.startswith("jbatch")):
+                ratios = " / ".join(f"{v / w:.2f}" for v, w in zip(peer, per_engine[e]["walls"]))
+                print(f"   {LABELS[e]} / vLLM, per repetition: {ratios}")
 
 
 def plot(results: dict, engines: list[str], path: Path) -> None:
