@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -73,3 +74,12 @@ def test_head_rows_keep_every_sampling_row_when_a_bucket_has_more_rows_than_slot
     np.testing.assert_array_equal(np.asarray(few[1]), [s, 2, s])
     out = sampling_rows.to_slots(jnp.asarray([7, 8, 9, 1]), got_slots, s)
     np.testing.assert_array_equal(np.asarray(out), [8, 0, 7, 9])
+
+
+def test_prompt_batch_lists_every_slot_or_none_on_a_prefill_engine():
+    """``prompt_batch`` lists every slot to decode beside the prompt (its bucket's full decode
+    rows); a prefill engine compiles no decode rows, so it lists none."""
+    batch = prompt_batch(CFG, 1, [5, 9, 33], [3])
+    assert batch.decode_slots.tolist() == [0, 1] and len(batch.prefill_tokens) == 16
+    prefill = dataclasses.replace(CFG, role="prefill")
+    assert prompt_batch(prefill, 1, [5, 9, 33], [3]).decode_slots.shape == (0,)

@@ -257,6 +257,29 @@ def test_prefill_buckets_are_whole_blocks_up_to_four_then_4x_apart(block_q, budg
         assert buckets.decode_buckets(cfg, rows) == ((8, 32) if rows in rungs else (32,)), rows
 
 
+@pytest.mark.parametrize(
+    ("slots", "rows", "decodes", "pair"),
+    [(32, 48, 2, (64, 8)),  # few decodes: the rung's quarter program (72 rows), not (48, 32)
+     (32, 48, 9, (48, 32)),  # a busy batch admitting a prompt: the in-between bucket
+     (32, 32, 0, (32, 32)),  # 64 rows, fewer than (64, 8)'s 72
+     (256, 32, 0, (64, 16)),  # not (32, 256): a lone prompt on a big idle engine
+     (256, 40, 31, (64, 64)), (32, 0, 3, (0, 4)), (32, 300, 32, (512, 32))],
+)  # fmt: skip
+def test_a_step_runs_the_compiled_pair_with_the_fewest_rows(slots, rows, decodes, pair):
+    cfg = EngineConfig(block_q=16, max_num_batched_tokens=512, max_slots=slots)
+    assert buckets.pick_pair(cfg, rows, decodes) == pair
+    pairs = buckets.bucket_pairs(cfg)
+    for r in range(0, 513, 16):  # every step: the pick holds it, none holding it is smaller
+        for d in range(slots + 1):
+            got = buckets.pick_pair(cfg, r, d)
+            assert got in pairs and got[0] >= r and got[1] >= d
+            assert sum(got) == min(a + b for a, b in pairs if a >= r and b >= d), (r, d)
+    # The scheduler plans prompt rows for what such a step runs: with few decodes a 40-row
+    # want is cut to 32 (the 48-row program would pad 32 decode rows), with many it gets 48.
+    if slots == 32:
+        assert [buckets.fit_prompt_rows(cfg, 40, d) for d in (2, 31)] == [32, 48]
+
+
 def test_a_prompt_just_past_a_bucket_is_chunked_not_padded_to_the_next():
     """70 prompt tokens with decodes running: 64 rows now and the rest next step, not one
     step padded to 256 rows; the outputs are unchanged."""

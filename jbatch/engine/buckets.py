@@ -13,8 +13,10 @@ free up. So the small prefill buckets are every whole number of ``block_q`` bloc
 LINEAR_PREFILL_BLOCKS (16/32/48/64 rows: a 40-token prompt pays 48 rows, not 64), and the
 larger ones are 4x apart up to the token budget (256, 512: long prompts are chunked anyway).
 The buckets between the 4x ladder's rungs (32, 48) serve a busy batch admitting a prompt, so
-they compile with the full decode bucket only; a step with few decodes and such a prompt runs
-with its decode rows padded to ``max_slots`` (as cheap as the next rung's few-decode program).
+they compile with the full decode bucket only. A step runs the compiled pair that holds it with
+the fewest rows (:func:`pick_pair`), and the scheduler plans prompt rows for the pairs a step of
+its decode count would run (:func:`fit_prompt_rows`): a step with few decodes and a 40-token
+prompt runs (64, 8), not (48, max_slots) — with 256 slots, 72 rows instead of 304.
 
 Decode-only steps (``rows == 0``: the steady state, and the tail end of a long tail with a few
 long requests left) get power-of-two decode buckets down to one row: on the 30-layer shape a
@@ -30,6 +32,8 @@ only the decode-only programs (``rows == 0``).
 """
 
 from __future__ import annotations
+
+import functools
 
 from jbatch.engine.config import EngineConfig
 
@@ -73,13 +77,14 @@ def pick_bucket(cfg: EngineConfig, rows: int) -> int:
     raise ValueError(f"{rows} prompt rows exceed the largest bucket {prefill_buckets(cfg)[-1]}")
 
 
-def fit_prompt_rows(cfg: EngineConfig, wanted: int) -> int:
-    """The prompt rows a step plans for when ``wanted`` rows of prompt chunks could go: the
-    nearest prefill bucket — the one below when fewer rows are left over for a later step's
-    chunk than the smallest bucket holding them would pad — but never down to the smallest
-    bucket, which holds a single prompt block (small prompts are not admitted one per step).
-    So a prompt just past a bucket no longer takes one up to 4x its size."""
-    sizes = [b for b in prefill_buckets(cfg) if b > 0]
+def fit_prompt_rows(cfg: EngineConfig, wanted: int, decodes: int = 0) -> int:
+    """The prompt rows a step with ``decodes`` decode rows plans for when ``wanted`` rows of
+    prompt chunks could go: the nearest prompt size such a step runs (:func:`pick_pair`) — the
+    one below when fewer rows are left over for a later step's chunk than the smallest size
+    holding them would pad — but never down to the smallest, which holds a single prompt block
+    (small prompts are not admitted one per step). So a prompt just past a bucket no longer
+    takes one up to 4x its size."""
+    sizes = _prompt_sizes(cfg, decodes)
     upper = next((b for b in sizes if b >= wanted), sizes[-1])
     lower = max((b for b in sizes if b < upper), default=upper)
     nearer_below = wanted - lower < upper - wanted
@@ -115,9 +120,31 @@ def bucket_pairs(cfg: EngineConfig) -> tuple[tuple[int, int], ...]:
     return tuple((r, d) for r in rows for d in decode_buckets(cfg, r))
 
 
-def pick_decode_bucket(cfg: EngineConfig, decodes: int, rows: int = 0) -> int:
-    """Smallest decode bucket holding ``decodes`` rows, for a step of ``rows`` prompt rows."""
-    return next(b for b in decode_buckets(cfg, rows) if b >= decodes)
+@functools.cache
+def _prompt_sizes(cfg: EngineConfig, decodes: int) -> list[int]:
+    """The prompt rows of the pairs steps with ``decodes`` decode rows run (:func:`pick_pair`)."""
+    sizes = {b for b in prefill_buckets(cfg) if b > 0}
+    if cfg.role != "decode":  # a decode engine runs no prompt rows: its cap only gates admission
+        sizes = {pick_pair(cfg, b, decodes)[0] for b in sizes}
+    return sorted(sizes)
+
+
+@functools.cache
+def _pairs_by_rows(cfg: EngineConfig) -> tuple[tuple[int, int], ...]:
+    return tuple(sorted(bucket_pairs(cfg), key=lambda pair: (sum(pair), pair)))
+
+
+def pick_pair(cfg: EngineConfig, rows: int, decodes: int) -> tuple[int, int]:
+    """The compiled (prompt rows, decode rows) pair of a step with ``rows`` prompt-chunk rows
+    and ``decodes`` decode rows: of the pairs holding both, the one with the fewest rows in
+    all (then the fewest prompt rows)."""
+    for pair in _pairs_by_rows(cfg):
+        if pair[0] >= rows and pair[1] >= decodes:
+            return pair
+    raise ValueError(
+        f"no step program holds {rows} prompt rows and {decodes} decode rows "
+        f"(largest: {max(bucket_pairs(cfg))})"
+    )
 
 
 def handover_page_buckets(cfg: EngineConfig) -> tuple[int, ...]:

@@ -124,7 +124,7 @@ def prompt_batch(cfg: EngineConfig, slot: int, token_ids, pages) -> StepBatch:
     rows = buckets.pick_bucket(cfg, buckets.block_rows(cfg, n))
     if len(pages) > buckets.max_page_writes(cfg):
         raise ValueError(f"{len(pages)} pages exceed one step's {buckets.max_page_writes(cfg)}")
-    batch = StepBatch.empty(cfg, rows)
+    batch = StepBatch.empty(cfg, rows, buckets.decode_buckets(cfg, rows)[-1])  # every slot
     batch.prefill_tokens[:n] = token_ids
     batch.prefill_slots[:] = slot
     batch.prefill_positions[:n] = np.arange(n)

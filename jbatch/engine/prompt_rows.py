@@ -51,8 +51,11 @@ def wanted_rows(
     return min(want, top)
 
 
-def row_cap(cfg: EngineConfig, running, waiting, free_slots: int, step: int, budget: int) -> int:
-    """The prompt rows to schedule this step at most (module doc)."""
+def row_cap(
+    cfg: EngineConfig, running, waiting, free_slots: int, step: int, budget: int, decodes: int
+) -> int:
+    """The prompt rows to schedule this step, beside its ``decodes`` decode rows, at most
+    (module doc)."""
     wanted = wanted_rows(cfg, running, waiting, free_slots, step)
     wanted = min(wanted, buckets.block_rows(cfg, budget))
-    return buckets.fit_prompt_rows(cfg, max(wanted, 1))
+    return buckets.fit_prompt_rows(cfg, max(wanted, 1), decodes)

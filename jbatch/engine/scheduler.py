@@ -230,7 +230,9 @@ class Scheduler:
             self._schedule_decodes(out, order)
         budget = self.cfg.max_num_batched_tokens - len(out.decodes)
         free = len(self.free_slots)
-        rows = prompt_rows.row_cap(self.cfg, order, self.waiting, free, self.num_steps, budget)
+        rows = prompt_rows.row_cap(
+            self.cfg, order, self.waiting, free, self.num_steps, budget, len(out.decodes)
+        )
         for seq in order:
             running_prompt = seq.status is RequestStatus.RUNNING and seq.prefilling
             if running_prompt and budget > 0 and rows >= self.cfg.block_q:
