@@ -318,6 +318,54 @@ def test_a_block_runs_past_a_request_end_while_its_idle_rows_stay_in_budget():
     assert eng.scheduler.allocator.num_used == 0
 
 
+def test_a_block_that_may_hold_a_stop_lands_before_the_next_is_planned_while_requests_queue():
+    """2 slots, blocks of 8, a third request queued: A stops at its 2nd token (a stop id). Its
+    block lands before the next is planned, so A is planned for one block, not two, and the
+    queued request gets A's slot after ~10 device steps instead of ~18."""
+    eng = mock_engine(max_slots=2, decode_steps=8, num_pages=64, max_seq_len=256)
+    stop = expected_tokens([5, 6, 7], 64, 0, False, VOCAB)[1]
+    a = eng.add_request([5, 6, 7], greedy(64).replace(stop_token_ids=[stop]))
+    eng.add_request([8, 9, 10], greedy(64))
+    c = eng.add_request([11, 12], greedy(4))
+    A, C = eng.requests[a], eng.requests[c]
+    while C.first_scheduled_step is None:
+        eng.step()
+    assert A.output_ids == [expected_tokens([5, 6, 7], 64, 0, False, VOCAB)[0], stop]
+    assert A.num_sampled <= 1 + 8, A.num_sampled  # its first step, then one block
+    assert eng.counters["steps"] <= 1 + 8 + 1, eng.counters["steps"]
+    run_all(eng)
+    assert eng.scheduler.allocator.num_used == 0
+
+
+def test_without_a_queue_a_block_ends_where_a_smaller_decode_bucket_holds_the_rest():
+    """64 slots, blocks of 16, 63 requests of 2 tokens and one of 40, nothing queued: the
+    first block stops after the short ones' last step (it pays its 64-row bucket every step),
+    and the long request goes on in 1-row blocks: the decode rows paid are those of stepping
+    one step at a time, in a tenth of the dispatches."""
+
+    def run(decode_steps: int) -> tuple[int, int, dict]:
+        eng = mock_engine(max_slots=64, decode_steps=decode_steps, num_pages=1024,
+                          max_seq_len=512, max_num_batched_tokens=512)  # fmt: skip
+        paid, step = [], eng.core.step
+
+        def counting(params, state, inp, bitmask=None):
+            rows, decode_rows = inp.layout.key
+            blocks = rows == 0 and decode_steps > 1
+            paid.append(decode_rows * (int(inp.batch.decode_steps[0]) if blocks else 1))
+            return step(params, state, inp, bitmask)
+
+        eng.core.step = counting
+        for i in range(63):
+            eng.add_request([3 + i % 90, 4], greedy(2))
+        eng.add_request([50, 51], greedy(40))
+        tokens = run_all(eng)
+        return sum(paid), len(paid), tokens
+
+    (rows_1, dispatches_1, out_1), (rows_16, dispatches_16, out_16) = run(1), run(16)
+    assert out_16 == out_1
+    assert rows_16 <= rows_1 and dispatches_16 * 4 < dispatches_1, (rows_16, rows_1)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -328,3 +376,11 @@ def test_a_block_runs_past_a_request_end_while_its_idle_rows_stay_in_budget():
 def test_bad_decode_steps_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
+
+
+def test_a_token_budget_below_max_slots_is_named():
+    """Every decoding slot takes a token of the step's budget: a budget below ``max_slots``
+    would leave slots idle (nothing is admitted once decodes use it up), so it is refused."""
+    with pytest.raises(ValueError, match="max_num_batched_tokens=16 must be >= max_slots=32"):
+        EngineConfig(max_slots=32, max_num_batched_tokens=16)
+    EngineConfig(max_slots=32, max_num_batched_tokens=16, role="prefill")  # decodes nothing

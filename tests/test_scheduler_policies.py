@@ -244,7 +244,7 @@ def test_fit_prompt_rows_picks_the_nearest_bucket_above_the_smallest():
 
 @pytest.mark.parametrize(
     ("block_q", "budget", "want"),
-    [(16, 16, (16,)), (16, 40, (16, 32, 48)), (16, 64, (16, 32, 48, 64)),
+    [(16, 32, (16, 32)), (16, 40, (16, 32, 48)), (16, 64, (16, 32, 48, 64)),
      (8, 256, (8, 16, 24, 32, 128, 256)), (16, 2048, (16, 32, 48, 64, 256, 1024, 2048))],
 )  # fmt: skip
 def test_prefill_buckets_are_whole_blocks_up_to_four_then_4x_apart(block_q, budget, want):

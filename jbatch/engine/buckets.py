@@ -16,7 +16,7 @@ The buckets between the 4x ladder's rungs (32, 48) serve a busy batch admitting 
 they compile with the full decode bucket only. A step runs the compiled pair that holds it with
 the fewest rows (:func:`pick_pair`), and the scheduler plans prompt rows for the pairs a step of
 its decode count would run (:func:`fit_prompt_rows`): a step with few decodes and a 40-token
-prompt runs (64, 8), not (48, max_slots) — with 256 slots, 72 rows instead of 304.
+prompt runs (64, 8), not (48, max_slots) — with 256 slots (64, 16): 80 rows instead of 304.
 
 Decode-only steps (``rows == 0``: the steady state, and the tail end of a long tail with a few
 long requests left) get power-of-two decode buckets down to one row: on the 30-layer shape a

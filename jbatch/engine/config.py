@@ -96,11 +96,14 @@ class EngineConfig:
         the host between tokens (a grammar, top logprobs), and no waiting request could take a
         free slot, the scheduler plans a block of up to this many decode steps, run in one
         program (``lax.fori_loop``) — the launch and the planning are paid once per block.
-        While requests queue, a block ends at the next request's last token (its slot goes
-        to the queue). The cost: a request that stops early (EOS, stop string) wastes the
-        rest of its block's rows and its slot waits for the block's end, and text streams a
-        block at a time. With speculative decoding: up to this many speculative steps per
-        dispatch (``spec_block.py``; the n-gram stream grows on the device between them).
+        While requests queue, a block runs on past a request's end only while the slot rows
+        left idle stay within ``scheduler.BLOCK_IDLE_STEPS`` steps' worth; without a queue,
+        until the requests still decoding fit a smaller decode bucket. The cost: a request
+        that stops early (EOS, stop string) wastes the rest of its block's rows and its slot
+        waits for the block's end (while requests queue, such a block lands before the next
+        is planned), and text streams a block at a time. With speculative decoding: up to
+        this many speculative steps per dispatch (``spec_block.py``; the n-gram stream
+        grows on the device between them).
         1: off (one step per dispatch). None (the default): ``SPECULATIVE_DECODE_STEPS`` with
         speculative decoding (at batch 1 a speculative step's host work is about half its
         device work on a CPU: ``docs/benchmarks.md``), else 1.
@@ -214,6 +217,12 @@ class EngineConfig:
                 f"attn_impl='tpu' needs kv_cache_dtype='auto' and tp=1 (got "
                 f"{self.kv_cache_dtype!r}, tp={self.tp}): JAX's TPU kernel takes only static "
                 f"KV scales, and its pool layout is not sharded; use attn_impl='auto'"
+            )
+        if self.role != "prefill" and self.max_num_batched_tokens < self.max_slots:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_slots={self.max_slots}: each decoding slot takes a token of a step's "
+                f"budget, and a step with no budget left admits nobody, so slots would stay idle"
             )
         if self.max_num_batched_tokens < self.block_q:
             raise ValueError(

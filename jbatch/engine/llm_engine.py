@@ -214,9 +214,13 @@ class LLMEngine:
         # for the next speculative dispatch's stream (spec_block.py): it lands first too.
         block_running = last is not None and last.drafts is None and last.steps > 1
         overlaps = spec and self._speculator.overlaps(self.scheduler)
-        if (spec_running and not overlaps) or (block_running and spec):
+        # While requests queue, a block in flight whose requests may stop early (EOS, a stop
+        # string) lands first: planned blind, such a request would hold its slot for another
+        # whole block.
+        stops = block_running and bool(self.scheduler.waiting) and self.scheduler.may_stop_early()
+        if (spec_running and not overlaps) or (block_running and spec) or stops:
             outputs += self.drain()
-            spec = self._speculator.wanted(self.scheduler)
+            spec = self._speculator is not None and self._speculator.wanted(self.scheduler)
         lockstep = bool(self._inflight) and _constrained(self._inflight[-1][0])
         if lockstep:
             while len(self._inflight) > 1:

@@ -301,13 +301,28 @@ class Scheduler:
         if need > self.allocator.num_free:
             return 1
         if not self.waiting:
-            return most
+            return self._until_smaller_bucket(ns, most)
         # Past the first request's end its slot idles until the block ends: run on while
         # the idle slot-steps stay within BLOCK_IDLE_STEPS steps' worth of slots.
         budget, b = BLOCK_IDLE_STEPS * self.cfg.max_slots, least
         while b < most and sum(max(0, b + 1 - n) for n in ns) <= budget:
             b += 1
         return b
+
+    def _until_smaller_bucket(self, ns: list[int], most: int) -> int:
+        """A block without a queue: it pays its decode bucket's rows every step, so it runs
+        only until the requests still decoding (``ns``: the steps each can use) would fit the
+        next smaller decode bucket, else to ``most``."""
+        smaller = [b for b in buckets.decode_buckets(self.cfg, 0) if b < len(ns)]
+        if not smaller:  # already the smallest bucket
+            return most
+        # After k steps, n > k requests still decode; they fit ``smaller[-1]`` rows once k
+        # reaches the (smaller[-1] + 1)-th largest n.
+        return max(1, min(most, sorted(ns, reverse=True)[smaller[-1]]))
+
+    def may_stop_early(self) -> bool:
+        """Whether a running request could end before its token budget (``Request``)."""
+        return any(seq.may_stop_early for seq in self.running.values())
 
     def _schedule_handovers(self, out: SchedulerOutput) -> None:
         """Prefill role: a request whose last prompt chunk went out in an earlier step (its
