@@ -4,6 +4,7 @@ the packed step input, recovery from a failed step (engine, router, LLM, engine 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import types
 
 import jax
@@ -384,3 +385,23 @@ def test_a_token_budget_below_max_slots_is_named():
     with pytest.raises(ValueError, match="max_num_batched_tokens=16 must be >= max_slots=32"):
         EngineConfig(max_slots=32, max_num_batched_tokens=16)
     EngineConfig(max_slots=32, max_num_batched_tokens=16, role="prefill")  # decodes nothing
+
+
+def test_no_block_or_speculation_while_a_retiring_slot_could_take_a_waiting_request():
+    """One slot, two requests of 2 tokens: once the first one's last token is scheduled its
+    slot frees at the next retirement, so the next step admits the second request: neither a
+    block of decode steps nor a speculative step (both admit nobody) is planned."""
+    from jbatch.engine.speculator import Speculator
+
+    eng = mock_engine(max_slots=1, decode_steps=4)
+    eng.add_request([3, 4, 5], greedy(2))
+    eng.add_request([6, 7, 8], greedy(2))
+    sched = eng.scheduler
+    while not sched._last_samples:
+        eng.step()
+    assert sched.waiting and not sched.free_slots and sched.slot_for_waiting()
+    assert sched.block_steps() == 1
+    spec = dataclasses.replace(
+        eng.cfg, speculative="ngram", speculative_max_batch=1, decode_steps=1
+    )
+    assert not Speculator(spec).wanted(sched)

@@ -286,8 +286,7 @@ class Scheduler:
         end inside the block wait for its end; the queue then gets them in one admission
         step): a dispatch saved is worth more than a few idle rows of one."""
         steps = self.cfg.decode_steps
-        admits = self.waiting and (self.free_slots or self._last_samples)
-        if steps == 1 or not self.running or admits:
+        if steps == 1 or not self.running or self.slot_for_waiting():
             return 1
         need, most, least, ns = 0, 1, steps, []
         for seq in self.running.values():
@@ -319,6 +318,12 @@ class Scheduler:
         # After k steps, n > k requests still decode; they fit ``smaller[-1]`` rows once k
         # reaches the (smaller[-1] + 1)-th largest n.
         return max(1, min(most, sorted(ns, reverse=True)[smaller[-1]]))
+
+    def slot_for_waiting(self) -> bool:
+        """Whether a waiting request could take a slot free now or at the next step's
+        retirement: that step should admit it (an ordinary step), not run a block of decode
+        steps or a speculative step, which admit nobody."""
+        return bool(self.waiting) and bool(self.free_slots or self._last_samples)
 
     def may_stop_early(self) -> bool:
         """Whether a running request could end before its token budget (``Request``)."""

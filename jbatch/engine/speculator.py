@@ -2,7 +2,8 @@
 how a speculative step's results become each request's tokens.
 
 1. ``wanted``: a step speculates when it can be decode-only — no running prompt is still
-   prefilling, no waiting request could take a free slot — and at most
+   prefilling, no waiting request could take a slot free now or at the step's retirement
+   (``Scheduler.slot_for_waiting``, as for blocks) — and at most
    ``speculative_max_batch`` requests decode (above that, verifying K + 1 rows per request
    costs more than it saves), and some running request speculates (``Request.speculates``).
 2. Speculative steps overlap like ordinary ones: step N + 1 is planned and dispatched while
@@ -47,7 +48,7 @@ class Speculator:
     def wanted(self, scheduler: Scheduler) -> bool:
         """Whether the next step should speculate (module doc, 1)."""
         running = scheduler.running.values()
-        if scheduler.waiting and scheduler.free_slots:
+        if scheduler.slot_for_waiting():
             return False
         decoding = 0
         speculating = False
