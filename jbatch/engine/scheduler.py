@@ -284,7 +284,9 @@ class Scheduler:
         the request with the most tokens left can use, and while requests queue, no more than
         leave ``BLOCK_IDLE_STEPS`` steps' worth of slot rows idle (the slots of requests that
         end inside the block wait for its end; the queue then gets them in one admission
-        step): a dispatch saved is worth more than a few idle rows of one."""
+        step): a dispatch saved is worth more than a few idle rows of one. Without a queue, no
+        longer than the requests still decoding need the block's decode bucket
+        (:meth:`_until_smaller_bucket`)."""
         steps = self.cfg.decode_steps
         if steps == 1 or not self.running or self.slot_for_waiting():
             return 1
