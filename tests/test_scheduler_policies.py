@@ -280,6 +280,13 @@ def test_a_step_runs_the_compiled_pair_with_the_fewest_rows(slots, rows, decodes
         assert [buckets.fit_prompt_rows(cfg, 40, d) for d in (2, 31)] == [32, 48]
 
 
+def test_a_budget_of_one_block_has_one_prefill_bucket():
+    cfg = EngineConfig(block_q=16, max_num_batched_tokens=16, max_slots=16)
+    assert buckets.prefill_buckets(cfg) == (0, 16)
+    assert buckets.prefill_buckets(dataclasses.replace(cfg, role="prefill")) == (16,)
+    assert buckets.decode_buckets(cfg, 16) == (16,)  # quarters of 16 are below 8 rows
+
+
 def test_a_prompt_just_past_a_bucket_is_chunked_not_padded_to_the_next():
     """70 prompt tokens with decodes running: 64 rows now and the rest next step, not one
     step padded to 256 rows; the outputs are unchanged."""

@@ -204,7 +204,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         outputs, early = [], []
-        spec = self._speculator is not None and self._speculator.wanted(self.scheduler)
+        spec = self._speculation_wanted()
         # While a speculative step runs the host does not know how far it gets: only another
         # speculative step, with pages for the worst case, is planned meanwhile
         # (engine/speculator.py); anything else waits for its result.
@@ -220,7 +220,7 @@ class LLMEngine:
         stops = block_running and bool(self.scheduler.waiting) and self.scheduler.may_stop_early()
         if (spec_running and not overlaps) or (block_running and spec) or stops:
             outputs += self.drain()
-            spec = self._speculator is not None and self._speculator.wanted(self.scheduler)
+            spec = self._speculation_wanted()
         lockstep = bool(self._inflight) and _constrained(self._inflight[-1][0])
         if lockstep:
             while len(self._inflight) > 1:
@@ -251,6 +251,9 @@ class LLMEngine:
         if self.cfg.debug_checks:
             self.scheduler.check_invariants()
         return outputs
+
+    def _speculation_wanted(self) -> bool:
+        return self._speculator is not None and self._speculator.wanted(self.scheduler)
 
     def _dispatch(
         self, sched: SchedulerOutput, before_step=lambda: None, split: bool = False

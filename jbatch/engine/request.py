@@ -122,13 +122,6 @@ class Request:
         return p.speculative and not (self.host_per_token or p.uses_penalties)
 
     @property
-    def may_stop_early(self) -> bool:
-        """Whether it can end before its token budget (EOS, a stop token or string): the host
-        learns that only from its tokens."""
-        p = self.params
-        return bool(p.stop_token_ids or p.stop or (self.eos_ids and not p.ignore_eos))
-
-    @property
     def host_per_token(self) -> bool:
         """Whether each token needs the host before the next is sampled: a grammar's mask, or
         top logprobs read per row (such requests neither speculate nor run in blocks)."""

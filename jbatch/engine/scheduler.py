@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 
-from jbatch.engine import buckets, prompt_rows
+from jbatch.engine import buckets, prompt_rows, stop_checker
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.page_allocator import PageAllocator
 from jbatch.engine.parent_request import sibling_prompt_pages
@@ -328,8 +328,9 @@ class Scheduler:
         return bool(self.waiting) and bool(self.free_slots or self._last_samples)
 
     def may_stop_early(self) -> bool:
-        """Whether a running request could end before its token budget (``Request``)."""
-        return any(seq.may_stop_early for seq in self.running.values())
+        """Whether a running request could end before its token budget (EOS, a stop token or
+        string: ``stop_checker.may_stop_early``)."""
+        return any(stop_checker.may_stop_early(seq) for seq in self.running.values())
 
     def _schedule_handovers(self, out: SchedulerOutput) -> None:
         """Prefill role: a request whose last prompt chunk went out in an earlier step (its

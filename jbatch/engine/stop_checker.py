@@ -39,6 +39,13 @@ def append_token(seq: Request, token: int, logprob: float) -> tuple[str, int | s
     return None
 
 
+def may_stop_early(seq: Request) -> bool:
+    """Whether ``seq`` can end before its token budget — by one of :func:`append_token`'s
+    checks before the length: the host learns that only from its tokens."""
+    p = seq.params
+    return bool(p.stop_token_ids or p.stop or (seq.eos_ids and not p.ignore_eos))
+
+
 def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
     """Earliest stop string in ``text``."""
     best = None
