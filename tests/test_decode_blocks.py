@@ -116,6 +116,36 @@ def test_stop_conditions_cut_inside_a_block(engines):
     assert_drained(llm)
 
 
+def test_blocks_end_on_the_device_at_stop_tokens_while_requests_queue(engines, monkeypatch):
+    """More requests than slots, half stopping at a token of their own greedy output: blocks
+    planned while requests queue carry the stop ids, the device ends them early (here with no
+    idle allowance: the step after a stop), the others give back the tokens planned past it
+    (else they would end short of ``max_tokens``), and every request gets the tokens and
+    finish reason of step by step; nothing compiles."""
+    from jbatch.engine import scheduler
+
+    monkeypatch.setattr(scheduler, "BLOCK_IDLE_STEPS", 0)
+    blocks, steps, _ = engines
+    batch = prompts(10, seed=11)
+    full = [o.outputs[0].token_ids for o in steps.generate(batch, GREEDY, use_tqdm=False)]
+    params = [
+        GREEDY.replace(stop_token_ids=[f[5 + 2 * i]]) if i % 2 else GREEDY
+        for i, f in enumerate(full)
+    ]
+    before = blocks.engine.stats()
+    with count_compiles() as compiled:
+        got = blocks.generate(batch, params, use_tqdm=False)
+    assert compiled == [], f"compiled after warm-up: {compiled}"
+    assert blocks.engine.stats().blocks_ended_early > before.blocks_ended_early
+    assert_blocks_ran(blocks, before)
+    for out, want, p in zip(got, full, params):
+        if p.stop_token_ids:
+            want = want[: want.index(p.stop_token_ids[0]) + 1]
+        assert out.outputs[0].token_ids == want
+        assert out.outputs[0].finish_reason == ("stop" if p.stop_token_ids else "length")
+    assert_drained(blocks)
+
+
 def test_no_page_leaks_with_random_aborts(engines):
     llm, _, _ = engines
     churn_with_random_aborts(llm.engine, prompts(40, seed=12), requests=300, max_tokens=16)

@@ -338,6 +338,49 @@ def test_a_block_that_may_hold_a_stop_lands_before_the_next_is_planned_while_req
     assert eng.scheduler.allocator.num_used == 0
 
 
+@pytest.mark.parametrize("queued", [True, False])
+def test_a_block_ends_on_the_device_once_a_stop_token_idles_its_slot_past_the_budget(queued):
+    """2 slots, blocks of 8, a request queued: A samples its stop id at the block's first
+    step. The device runs on while A's idle slot stays within ``BLOCK_IDLE_STEPS`` x 2 slot
+    rows (4 more steps), then ends the block; B gives back the 3 tokens planned past it and
+    gets exactly its tokens; the queued request starts 3 steps sooner than with a whole
+    block. Without a queue the same block runs its whole count."""
+    from jbatch.engine.scheduler import BLOCK_IDLE_STEPS
+
+    assert BLOCK_IDLE_STEPS == 2  # the arithmetic above
+    eng = mock_engine(max_slots=2, decode_steps=8, max_seq_len=256, debug_checks=True)
+    stop = expected_tokens([5, 6, 7], 64, 0, False, VOCAB)[1]
+    a = eng.add_request([5, 6, 7], greedy(64).replace(stop_token_ids=[stop]))
+    b = eng.add_request([8, 9, 10], greedy(30))
+    plans = []
+    schedule = eng.scheduler.schedule
+    eng.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
+    outs = eng.step()  # both prompts (A's first token is read with the block)
+    if queued:
+        c = eng.add_request([11, 12], greedy(4))
+    outs += eng.step()  # the block
+    block = plans[-1]
+    assert (block.steps, block.block_tokens) == (8, [8, 8])
+    assert block.idle_budget == (2 * BLOCK_IDLE_STEPS if queued else None)
+    if queued:  # the next step admits C after the prompt step and 1 + 4 block steps
+        outs += eng.step()
+        assert eng.requests[c] in plans[-1].inserts
+        assert eng.counters["steps"] == 1 + 5 + 1
+    tokens: dict[str, list[int]] = {}
+    for out in outs:
+        tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    for rid, rest in run_all(eng).items():
+        tokens.setdefault(rid, []).extend(rest)
+    assert tokens[a] == expected_tokens([5, 6, 7], 64, 0, False, VOCAB)[:2]
+    assert tokens[b] == expected_tokens([8, 9, 10], 30, 0, False, VOCAB)
+    stats = eng.stats()
+    assert stats.blocks_ended_early == int(queued)
+    if queued:
+        assert tokens[c] == expected_tokens([11, 12], 4, 0, False, VOCAB)
+    assert stats.tokens == sum(map(len, tokens.values()))
+    assert eng.scheduler.allocator.num_used == 0
+
+
 def test_without_a_queue_a_block_ends_where_a_smaller_decode_bucket_holds_the_rest():
     """64 slots, blocks of 16, 63 requests of 2 tokens and one of 40, nothing queued: the
     first block stops after the short ones' last step (it pays its 64-row bucket every step),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from jbatch.engine import buckets, logprob_host
+from jbatch.engine import buckets, logprob_host, stop_checker
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.request import Request
 from jbatch.engine.scheduler_output import Chunk, SchedulerOutput
@@ -20,6 +20,8 @@ def build_step_input(cfg: EngineConfig, core, sched: SchedulerOutput) -> StepInp
         _fill_insert(cfg, inp.insert, seq)
     _fill_step(cfg, inp.batch, sched)
     inp.batch.decode_steps[0] = sched.steps  # a block of decode steps (decode-only programs)
+    if sched.idle_budget is not None:  # it may end early on stop tokens (decode_block.py)
+        _fill_block_stops(inp.batch, sched)
     logprob_host.fill_step(inp.batch, sched, chunk_rows(sched.chunks, cfg.block_q))
     return inp
 
@@ -88,6 +90,15 @@ def _fill_page_writes(batch, sched: SchedulerOutput) -> None:
         slots, index, pages = zip(*sched.page_writes)
         w = len(slots)
         batch.write_slots[:w], batch.write_index[:w], batch.write_pages[:w] = slots, index, pages
+
+
+def _fill_block_stops(batch, sched: SchedulerOutput) -> None:
+    """Each decoding slot's first ``BLOCK_STOP_TOKENS`` stop token ids, and the block's idle
+    budget."""
+    batch.block_idle_budget[0] = sched.idle_budget
+    for seq, slot in sched.samplers:
+        ids = stop_checker.stop_token_ids(seq)[: buckets.BLOCK_STOP_TOKENS]
+        batch.block_stop_tokens[slot, : len(ids)] = ids
 
 
 def chunk_rows(chunks: list[Chunk], block_q: int) -> Iterator[tuple[Chunk, int]]:

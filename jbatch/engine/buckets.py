@@ -175,6 +175,14 @@ def max_page_writes(cfg: EngineConfig) -> int:
     return max(cfg.max_slots + top // cfg.page_size + top // cfg.block_q + 1, block)
 
 
+# A block of decode steps checks each slot's sampled tokens against this many stop token ids
+# (EOS, ``stop_token_ids``) on the device, to end early (``decode_block.py``); a request with
+# more is checked for its first ones (the host finds the rest, as for stop strings).
+BLOCK_STOP_TOKENS = 4
+# A block's idle budget (``StepBatch.block_idle_budget``) that never ends it early.
+NO_EARLY_END = 2**30
+
+
 def runs_blocks(cfg: EngineConfig, rows: int) -> bool:
     """Whether the program of ``rows`` prompt rows is a block of up to ``decode_steps`` decode
     steps (``decode_block.py``): the decode-only programs, when ``decode_steps`` > 1."""

@@ -89,6 +89,11 @@ class StepBatch:
     # A decode-only step of an engine with ``decode_steps`` > 1: how many decode steps its
     # block runs (``decode_block``); other steps run one.
     decode_steps: Int32[Array, " 1"]
+    # A block that may end early (``decode_block``): each decoding slot's stop token ids (-1:
+    # none), and the slot-steps it may leave idle behind slots that sampled one before it
+    # ends (``buckets.NO_EARLY_END``: it runs its whole count).
+    block_stop_tokens: Int32[Array, "slots stops"]
+    block_idle_budget: Int32[Array, " 1"]
 
     @classmethod
     def empty(cls, cfg: EngineConfig, rows: int = 0, decode_rows: int | None = None) -> StepBatch:
@@ -114,6 +119,8 @@ class StepBatch:
             want_top_logprobs=np.zeros(s, bool),
             prefill_targets=np.full(rows, -1, np.int32),
             decode_steps=np.ones(1, np.int32),
+            block_stop_tokens=np.full((s, buckets.BLOCK_STOP_TOKENS), -1, np.int32),
+            block_idle_budget=np.full(1, buckets.NO_EARLY_END, np.int32),
         )
 
 

@@ -59,6 +59,8 @@ class EngineStats:
     spec_groups: int = 0
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # Blocks of decode steps the device ended before their planned count on a stop token.
+    blocks_ended_early: int = 0
     # Per tenant (every tenant seen since the scheduler was built): served tokens, queue, slots.
     tenants: dict[str, TenantStats] = dataclasses.field(default_factory=dict)
 

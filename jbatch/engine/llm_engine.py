@@ -71,6 +71,7 @@ _COUNTERS = (
     "steps", "dispatches", "tokens", "prompt_tokens", "decode_rows", "swap_outs",
     "steps_while_queued", "busy_slots_while_queued", "constrained_steps",
     "spec_steps", "spec_groups", "spec_proposed_tokens", "spec_accepted_tokens",
+    "blocks_ended_early",
 )  # fmt: skip
 
 
@@ -214,10 +215,11 @@ class LLMEngine:
         # for the next speculative dispatch's stream (spec_block.py): it lands first too.
         block_running = last is not None and last.drafts is None and last.steps > 1
         overlaps = spec and self._speculator.overlaps(self.scheduler)
-        # While requests queue, a block in flight whose requests may stop early (EOS, a stop
-        # string) lands first: planned blind, such a request would hold its slot for another
-        # whole block.
-        stops = block_running and bool(self.scheduler.waiting) and self.scheduler.may_stop_early()
+        # A block planned while requests queued and its requests may stop early (EOS, a stop
+        # token or string) lands first: it may end early on the device, which gives planned
+        # tokens back (decode_block.py), and planned blind, a request that stopped would hold
+        # its slot for another whole block.
+        stops = block_running and last.idle_budget is not None
         if (spec_running and not overlaps) or (block_running and spec) or stops:
             outputs += self.drain()
             spec = self._speculation_wanted()

@@ -80,10 +80,15 @@ class MockCore:
         release, ins, batch = inp.structured()
         st = self.insert(self.release(st, release), ins)
         if buckets.runs_blocks(self.cfg, inp.layout.key[0]):  # as decode_block.py
-            steps = []
-            for _ in range(int(np.clip(batch.decode_steps[0], 1, self.cfg.decode_steps))):
+            steps, stopped, idle = [], np.zeros(self.cfg.max_slots, bool), 0
+            n = int(np.clip(batch.decode_steps[0], 1, self.cfg.decode_steps))
+            while len(steps) < n and idle <= batch.block_idle_budget[0]:
                 st, one = self._step(st, batch, bitmask)
                 steps.append((one.tokens, one.sampled, one.logprobs))
+                hit = (one.tokens[:, None] == batch.block_stop_tokens).any(axis=1)
+                stopped |= hit & one.sampled
+                idle += int(stopped.sum())
+            steps += [tuple(np.zeros_like(f) for f in steps[0])] * (n - len(steps))
             block = tuple(np.stack(field) for field in zip(*steps))
             out = types.SimpleNamespace(**dict(zip(("tokens", "sampled", "logprobs"), steps[0])))
             out.block = block

@@ -222,6 +222,11 @@ class Scheduler:
             self._schedule_decodes(out, order, propose)
             if out.drafts is not None and all(p is None for p in out.drafts):
                 out.drafts, out.steps = None, 1  # nothing to verify: an ordinary decode step
+            if out.drafts is None and self.waiting and self.may_stop_early():
+                # The device ends the block early on stop tokens (decode_block.py), within
+                # what this plan leaves of the idle allowance.
+                planned_idle = sum(out.steps - n for n in out.block_tokens)
+                out.idle_budget = max(0, BLOCK_IDLE_STEPS * self.cfg.max_slots - planned_idle)
             out.releases, self.pending_releases = self.pending_releases, []
             return out
         if self.cfg.role == "prefill":
@@ -269,6 +274,8 @@ class Scheduler:
                 if out.drafts is not None:
                     out.drafts.append(drafts)
                 out.samplers.append((seq, seq.slot))
+                if out.steps > 1 and propose is None:
+                    out.block_tokens.append(n)
                 seq.num_computed += n
                 self._sampled(seq, n)
                 tenants[seq.tenant] = tenants.get(seq.tenant, 0) + n
@@ -331,6 +338,14 @@ class Scheduler:
         """Whether a running request could end before its token budget (EOS, a stop token or
         string: ``stop_checker.may_stop_early``)."""
         return any(stop_checker.may_stop_early(seq) for seq in self.running.values())
+
+    def block_cut(self, seq: Request, missing: int) -> None:
+        """A block of decode steps ended early on the device (a stop token): ``seq`` got
+        ``missing`` fewer tokens than planned. Its counters go back; its pages for them stay
+        (the next steps fill them)."""
+        seq.num_computed -= missing
+        seq.num_sampled -= missing
+        self.ledger.charge(seq.tenant, output=-missing)
 
     def _schedule_handovers(self, out: SchedulerOutput) -> None:
         """Prefill role: a request whose last prompt chunk went out in an earlier step (its

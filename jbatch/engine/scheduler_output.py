@@ -68,6 +68,11 @@ class SchedulerOutput:
     # decode gets up to this many tokens, its token budget permitting) or speculative steps a
     # speculative dispatch runs at most; 1 for ordinary steps.
     steps: int = 1
+    # A block of decode steps: the tokens each decode was planned, in the order of
+    # ``samplers``; and, when it may end early on stop tokens (``decode_block.py``), the
+    # slot-steps it may leave idle behind them (None: it runs its whole count).
+    block_tokens: list[int] = dataclasses.field(default_factory=list)
+    idle_budget: int | None = None
 
     @property
     def empty(self) -> bool:

@@ -30,6 +30,8 @@ how a speculative step's results become each request's tokens.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from jbatch.engine import ngram_proposer
@@ -80,16 +82,32 @@ class Speculator:
         return Proposal(cap, len(stream) - 1, stream)
 
 
+def _block_emitted(sched: SchedulerOutput, block, scheduler: Scheduler, counters) -> list:
+    """:func:`emitted` for a block of decode steps. One that ended early on the device (a stop
+    token, ``decode_block.py``) ran fewer steps than planned: each request that got fewer
+    tokens than planned gives the rest back (``Scheduler.block_cut``), and the step counters
+    count the steps it ran."""
+    tokens, sampled, logprobs = (field.T.tolist() for field in block)
+    out = []
+    for (seq, slot), planned in zip(sched.samplers, sched.block_tokens or itertools.repeat(0)):
+        got = sum(sampled[slot])
+        if got < planned and not seq.finished:
+            scheduler.block_cut(seq, planned - got)
+        out.append((seq, list(zip(tokens[slot], logprobs[slot]))[:got]))
+    if sched.idle_budget is not None:
+        ran = int(block[1].any(axis=1).sum())
+        counters["blocks_ended_early"] += ran < sched.steps
+        counters["steps"] -= sched.steps - ran
+        counters["decode_rows"] -= len(sched.decodes) * (sched.steps - ran)
+    return out
+
+
 def emitted(
     sched: SchedulerOutput, result, scheduler: Scheduler, counters
 ) -> list[tuple[Request, list[tuple[int, float]]]]:
     """Each sampling request of ``sched`` with its (token, logprob) pairs from ``result``."""
     if result.block is not None:  # a block of decode steps: each slot's sampled steps
-        tokens, sampled, logprobs = (field.T.tolist() for field in result.block)
-        return [
-            (seq, list(zip(tokens[slot], logprobs[slot]))[: sum(sampled[slot])])
-            for seq, slot in sched.samplers
-        ]
+        return _block_emitted(sched, result.block, scheduler, counters)
     tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
     if sched.drafts is None:
         return [(seq, [(tokens[slot], logprobs[slot])]) for seq, slot in sched.samplers]

@@ -42,8 +42,13 @@ def append_token(seq: Request, token: int, logprob: float) -> tuple[str, int | s
 def may_stop_early(seq: Request) -> bool:
     """Whether ``seq`` can end before its token budget — by one of :func:`append_token`'s
     checks before the length: the host learns that only from its tokens."""
+    return bool(seq.params.stop or stop_token_ids(seq))
+
+
+def stop_token_ids(seq: Request) -> tuple[int, ...]:
+    """The token ids that end ``seq`` (:func:`append_token`'s first two checks)."""
     p = seq.params
-    return bool(p.stop_token_ids or p.stop or (seq.eos_ids and not p.ignore_eos))
+    return tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(seq.eos_ids))
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
