@@ -122,9 +122,9 @@ def test_blocks_end_on_the_device_at_stop_tokens_while_requests_queue(engines, m
     idle allowance: the step after a stop), the others give back the tokens planned past it
     (else they would end short of ``max_tokens``), and every request gets the tokens and
     finish reason of step by step; nothing compiles."""
-    from jbatch.engine import scheduler
+    from jbatch.engine import multi_step_planning
 
-    monkeypatch.setattr(scheduler, "BLOCK_IDLE_STEPS", 0)
+    monkeypatch.setattr(multi_step_planning, "BLOCK_IDLE_STEPS", 0)
     blocks, steps, _ = engines
     batch = prompts(10, seed=11)
     full = [o.outputs[0].token_ids for o in steps.generate(batch, GREEDY, use_tqdm=False)]

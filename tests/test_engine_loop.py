@@ -303,7 +303,7 @@ def test_a_block_runs_past_a_request_end_while_its_idle_rows_stay_in_budget():
     rows stay within ``BLOCK_IDLE_STEPS`` steps' worth of slots (then the queue gets the slot):
     2 slots, 8-step blocks, 3 tokens left for one request and 29 for the other: idle rows
     1, 2, 3, 4 for blocks of 4..7 steps, 5 for 8 (over 2 x 2), so the block runs 7 steps."""
-    from jbatch.engine.scheduler import BLOCK_IDLE_STEPS
+    from jbatch.engine.multi_step_planning import BLOCK_IDLE_STEPS
 
     assert BLOCK_IDLE_STEPS == 2  # the arithmetic above
     eng = mock_engine(max_slots=2, decode_steps=8, debug_checks=True)
@@ -345,7 +345,7 @@ def test_a_block_ends_on_the_device_once_a_stop_token_idles_its_slot_past_the_bu
     rows (4 more steps), then ends the block; B gives back the 3 tokens planned past it and
     gets exactly its tokens; the queued request starts 3 steps sooner than with a whole
     block. Without a queue the same block runs its whole count."""
-    from jbatch.engine.scheduler import BLOCK_IDLE_STEPS
+    from jbatch.engine.multi_step_planning import BLOCK_IDLE_STEPS
 
     assert BLOCK_IDLE_STEPS == 2  # the arithmetic above
     eng = mock_engine(max_slots=2, decode_steps=8, max_seq_len=256, debug_checks=True)

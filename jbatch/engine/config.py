@@ -95,13 +95,15 @@ class EngineConfig:
         ``num_scheduler_steps``): when every running request is past its prompt and none needs
         the host between tokens (a grammar, top logprobs), and no waiting request could take a
         free slot, the scheduler plans a block of up to this many decode steps, run in one
-        program (``lax.fori_loop``) — the launch and the planning are paid once per block.
+        program (``lax.while_loop``) — the launch and the planning are paid once per block.
         While requests queue, a block runs on past a request's end only while the slot rows
-        left idle stay within ``scheduler.BLOCK_IDLE_STEPS`` steps' worth; without a queue,
-        until the requests still decoding fit a smaller decode bucket. The cost: a request
-        that stops early (EOS, stop string) wastes the rest of its block's rows and its slot
-        waits for the block's end (while requests queue, such a block lands before the next
-        is planned), and text streams a block at a time. With speculative decoding: up to
+        left idle stay within ``multi_step_planning.BLOCK_IDLE_STEPS`` steps' worth (the
+        device ends it early when requests that sampled a stop token would idle past that);
+        without a queue, until the requests still decoding fit a smaller decode bucket. The
+        cost: a request
+        that stops early (EOS, stop string) idles its slot until its block ends (while
+        requests queue, such a block lands before the next is planned), and text streams a
+        block at a time. With speculative decoding: up to
         this many speculative steps per dispatch (``spec_block.py``; the n-gram stream
         grows on the device between them).
         1: off (one step per dispatch). None (the default): ``SPECULATIVE_DECODE_STEPS`` with

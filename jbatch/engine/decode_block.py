@@ -10,10 +10,11 @@ rule), so the host knows every slot's count when it plans the block
 
 A request that may stop on a token (EOS, ``stop_token_ids``) is the one thing the host cannot
 plan for. While requests queue, its block carries those ids and an idle budget (what the plan
-leaves of ``scheduler.BLOCK_IDLE_STEPS`` steps' worth of slot rows): the device ends the block
-before its count once the slots that sampled a stop token would idle more than that, and the
-host, which finds the steps it ran from the sampled flags, gives back the tokens it had
-planned past them (``Scheduler.block_cut``) and reads the result before planning again.
+leaves of ``multi_step_planning.BLOCK_IDLE_STEPS`` steps' worth of slot rows): the device
+ends the block before its count once the slots that sampled a stop token would idle more than
+that, and the host, which finds the steps it ran from the sampled flags, gives back the tokens
+it had planned past them (``Scheduler.block_cut``) and reads the result before planning
+again.
 """
 
 from __future__ import annotations

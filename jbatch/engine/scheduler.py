@@ -33,25 +33,19 @@ from __future__ import annotations
 
 import contextlib
 
-from jbatch.engine import buckets, prompt_rows, stop_checker
+from jbatch.engine import prompt_rows
 from jbatch.engine.config import EngineConfig
+from jbatch.engine.multi_step_planning import MultiStepPlanning
 from jbatch.engine.page_allocator import PageAllocator
 from jbatch.engine.parent_request import sibling_prompt_pages
 from jbatch.engine.policies import VictimOrder, waiting_queue
 from jbatch.engine.prefill_pacer import PrefillPacer
 from jbatch.engine.request import Request, RequestStatus
-from jbatch.engine.scheduler_output import Chunk, Proposal, SchedulerOutput
+from jbatch.engine.scheduler_output import Chunk, SchedulerOutput
 from jbatch.engine.tenants import TenantLedger
 
-# While requests queue, a block of decode steps may leave at most this many steps' worth of
-# slot rows idle (``Scheduler.block_steps``). Demo model, 32 slots, 256 queued requests,
-# blocks of 16: 0 (end at the first request's end) gave 0.41 dispatches per step and a host
-# share of 17-22%; 2 gave 0.12 and 8-10%, throughput +3.5% (median of 6 interleaved runs;
-# docs/benchmarks.md).
-BLOCK_IDLE_STEPS = 2
 
-
-class Scheduler:
+class Scheduler(MultiStepPlanning):
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.allocator = PageAllocator(cfg.num_pages, cfg.enable_prefix_caching)
@@ -222,11 +216,8 @@ class Scheduler:
             self._schedule_decodes(out, order, propose)
             if out.drafts is not None and all(p is None for p in out.drafts):
                 out.drafts, out.steps = None, 1  # nothing to verify: an ordinary decode step
-            if out.drafts is None and self.waiting and self.may_stop_early():
-                # The device ends the block early on stop tokens (decode_block.py), within
-                # what this plan leaves of the idle allowance.
-                planned_idle = sum(out.steps - n for n in out.block_tokens)
-                out.idle_budget = max(0, BLOCK_IDLE_STEPS * self.cfg.max_slots - planned_idle)
+            if out.drafts is None:
+                out.idle_budget = self._block_idle_budget(out)
             out.releases, self.pending_releases = self.pending_releases, []
             return out
         if self.cfg.role == "prefill":
@@ -282,71 +273,6 @@ class Scheduler:
         for tenant, n in tenants.items():
             self.ledger.charge(tenant, output=n)
 
-    def block_steps(self) -> int:
-        """Decode steps the next step may run as one block (``EngineConfig.decode_steps``;
-        1: an ordinary step): every running request is past its prompt and needs nothing from
-        the host between its tokens (a grammar's mask, top logprobs), no waiting request could
-        take a slot free now or at this step's retirement, and the pool has the pages every
-        request's whole block needs (planning a block never preempts). Never more steps than
-        the request with the most tokens left can use, and while requests queue, no more than
-        leave ``BLOCK_IDLE_STEPS`` steps' worth of slot rows idle (the slots of requests that
-        end inside the block wait for its end; the queue then gets them in one admission
-        step): a dispatch saved is worth more than a few idle rows of one. Without a queue, no
-        longer than the requests still decoding need the block's decode bucket
-        (:meth:`_until_smaller_bucket`)."""
-        steps = self.cfg.decode_steps
-        if steps == 1 or not self.running or self.slot_for_waiting():
-            return 1
-        need, most, least, ns = 0, 1, steps, []
-        for seq in self.running.values():
-            if seq.prefilling or seq.host_per_token:
-                return 1
-            if seq.can_decode:
-                n = min(steps, seq.max_tokens - seq.num_sampled)
-                need += max(0, self._pages_short(seq, self._reach(seq, n - 1)))
-                most, least = max(most, n), min(least, n)
-                ns.append(n)
-        if need > self.allocator.num_free:
-            return 1
-        if not self.waiting:
-            return self._until_smaller_bucket(ns, most)
-        # Past the first request's end its slot idles until the block ends: run on while
-        # the idle slot-steps stay within BLOCK_IDLE_STEPS steps' worth of slots.
-        budget, b = BLOCK_IDLE_STEPS * self.cfg.max_slots, least
-        while b < most and sum(max(0, b + 1 - n) for n in ns) <= budget:
-            b += 1
-        return b
-
-    def _until_smaller_bucket(self, ns: list[int], most: int) -> int:
-        """A block without a queue: it pays its decode bucket's rows every step, so it runs
-        only until the requests still decoding (``ns``: the steps each can use) would fit the
-        next smaller decode bucket, else to ``most``."""
-        smaller = [b for b in buckets.decode_buckets(self.cfg, 0) if b < len(ns)]
-        if not smaller:  # already the smallest bucket
-            return most
-        # After k steps, n > k requests still decode; they fit ``smaller[-1]`` rows once k
-        # reaches the (smaller[-1] + 1)-th largest n.
-        return max(1, min(most, sorted(ns, reverse=True)[smaller[-1]]))
-
-    def slot_for_waiting(self) -> bool:
-        """Whether a waiting request could take a slot free now or at the next step's
-        retirement: that step should admit it (an ordinary step), not run a block of decode
-        steps or a speculative step, which admit nobody."""
-        return bool(self.waiting) and bool(self.free_slots or self._last_samples)
-
-    def may_stop_early(self) -> bool:
-        """Whether a running request could end before its token budget (EOS, a stop token or
-        string: ``stop_checker.may_stop_early``)."""
-        return any(stop_checker.may_stop_early(seq) for seq in self.running.values())
-
-    def block_cut(self, seq: Request, missing: int) -> None:
-        """A block of decode steps ended early on the device (a stop token): ``seq`` got
-        ``missing`` fewer tokens than planned. Its counters go back; its pages for them stay
-        (the next steps fill them)."""
-        seq.num_computed -= missing
-        seq.num_sampled -= missing
-        self.ledger.charge(seq.tenant, output=-missing)
-
     def _schedule_handovers(self, out: SchedulerOutput) -> None:
         """Prefill role: a request whose last prompt chunk went out in an earlier step (its
         first token is in the device state, or on its way) is copied out for a decode engine;
@@ -356,54 +282,6 @@ class Scheduler:
             seq.swapped_pages = len(seq.pages)
             self._free_slot(seq)
             seq.status = RequestStatus.HANDED_OVER
-
-    def _proposal(self, seq: Request, propose, out: SchedulerOutput) -> Proposal | None:
-        """``seq``'s proposal for a speculative dispatch of ``out.steps`` steps, with pages for
-        all of it (no pages free: none; speculation never preempts anyone). At most K tokens a
-        step plus the token each further step emits (one a step for a request that does not
-        speculate), and never past the request's token budget or ``max_seq_len`` as far as
-        the host knows (the device clips to what it knows: a step in flight may have emitted
-        more)."""
-        per_step = self.cfg.num_speculative_tokens + 1 if seq.speculates else 1
-        cap = min(
-            out.steps * per_step - 1,
-            seq.max_tokens - seq.num_sampled - 1,
-            self.cfg.max_seq_len - seq.num_computed - 1,
-        )
-        proposal = propose(seq, cap) if cap > 0 else None
-        if proposal is None:
-            return None
-        upto = self._reach(seq, cap)
-        # Keep a page in reserve per running request, so the others' next tokens still fit.
-        if self._pages_short(seq, upto) > self.allocator.num_free - len(self.running):
-            return None
-        self._grow(seq, upto, out)
-        seq.spec_pending += cap
-        return proposal
-
-    def spec_pages_needed(self) -> int:
-        """Pages a speculative dispatch would take at most if every request got all it may
-        emit (``buckets.spec_extra``; the engine plans one while another runs only when they
-        are free: no preemption)."""
-        extra = buckets.spec_extra(self.cfg)
-        reach = lambda s: self._reach(s, extra)
-        need = sum(max(0, self._pages_short(s, reach(s))) for s in self.running.values())
-        return need + len(self.running)  # the reserve of ``_proposal``
-
-    def accept(self, seq: Request, extra: int, settled: int) -> None:
-        """A speculative step emitted ``extra`` tokens for ``seq`` beyond the one it was planned
-        with (-1: none, the device found the request done) and settles ``settled`` of its
-        ``spec_pending``: advance its counters, and return the pages past what the device may
-        still write (their K/V came from rejected proposals; the next step allocates afresh)."""
-        seq.num_computed += extra
-        seq.num_sampled += extra
-        seq.spec_pending = max(0, seq.spec_pending - settled)
-        if extra > 0:
-            self.ledger.charge(seq.tenant, output=extra)
-        keep = -(-(seq.num_computed + seq.spec_pending) // self.cfg.page_size)
-        if len(seq.pages) > keep:
-            self.allocator.free(seq.pages[keep:])
-            del seq.pages[keep:]
 
     def _pacing(self, seq: Request, out: SchedulerOutput) -> tuple[bool, int | None]:
         """Whether ``seq``'s next chunk is paced (``prefill_pacer.py``: a chunk of a prompt

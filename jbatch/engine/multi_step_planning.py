@@ -1,0 +1,156 @@
+"""The scheduler's planning of dispatches that run several steps: blocks of decode steps
+(``decode_block.py``) and speculative dispatches (``spec_step.py``, ``spec_block.py``).
+
+:class:`MultiStepPlanning` is a part of :class:`scheduler.Scheduler` (its base class), kept
+apart because these rules read and grant more than one step ahead:
+
+1. ``block_steps`` decides how many decode steps the next dispatch may run (1: an ordinary
+   step); ``Scheduler.schedule(steps=N)`` then gives each decode up to N tokens and grows its
+   pages for all of them.
+2. A block planned while requests queue and a request may stop on a token carries an idle
+   budget (``_block_idle_budget``) within which the device may run on past a stop; a block
+   the device ended early gives back the tokens planned past its end (``block_cut``).
+3. A speculative dispatch grants each request its proposal's pages for the worst case
+   (``_proposal``; ``spec_pages_needed`` tells the engine whether it can plan one while
+   another runs) and ``accept`` settles them once the device has verified.
+"""
+
+from __future__ import annotations
+
+from jbatch.engine import buckets, stop_checker
+from jbatch.engine.request import Request
+from jbatch.engine.scheduler_output import Proposal, SchedulerOutput
+
+# While requests queue, a block of decode steps may leave at most this many steps' worth of
+# slot rows idle (``block_steps``). Demo model, 32 slots, 256 queued requests, blocks of 16:
+# 0 (end at the first request's end) gave 0.41 dispatches per step and a host share of
+# 17-22%; 2 gave 0.12 and 8-10%, throughput +3.5% (median of 6 interleaved runs;
+# docs/benchmarks.md).
+BLOCK_IDLE_STEPS = 2
+
+
+class MultiStepPlanning:
+    """Methods of :class:`scheduler.Scheduler` (they use its pool, queues and page growth)."""
+
+    def block_steps(self) -> int:
+        """Decode steps the next step may run as one block (``EngineConfig.decode_steps``;
+        1: an ordinary step): every running request is past its prompt and needs nothing from
+        the host between its tokens (a grammar's mask, top logprobs), no waiting request could
+        take a slot free now or at this step's retirement, and the pool has the pages every
+        request's whole block needs (planning a block never preempts). Never more steps than
+        the request with the most tokens left can use, and while requests queue, no more than
+        leave ``BLOCK_IDLE_STEPS`` steps' worth of slot rows idle (the slots of requests that
+        end inside the block wait for its end; the queue then gets them in one admission
+        step): a dispatch saved is worth more than a few idle rows of one. Without a queue, no
+        longer than the requests still decoding need the block's decode bucket
+        (:meth:`_until_smaller_bucket`)."""
+        steps = self.cfg.decode_steps
+        if steps == 1 or not self.running or self.slot_for_waiting():
+            return 1
+        need, most, least, ns = 0, 1, steps, []
+        for seq in self.running.values():
+            if seq.prefilling or seq.host_per_token:
+                return 1
+            if seq.can_decode:
+                n = min(steps, seq.max_tokens - seq.num_sampled)
+                need += max(0, self._pages_short(seq, self._reach(seq, n - 1)))
+                most, least = max(most, n), min(least, n)
+                ns.append(n)
+        if need > self.allocator.num_free:
+            return 1
+        if not self.waiting:
+            return self._until_smaller_bucket(ns, most)
+        # Past the first request's end its slot idles until the block ends: run on while
+        # the idle slot-steps stay within BLOCK_IDLE_STEPS steps' worth of slots.
+        budget, b = BLOCK_IDLE_STEPS * self.cfg.max_slots, least
+        while b < most and sum(max(0, b + 1 - n) for n in ns) <= budget:
+            b += 1
+        return b
+
+    def _until_smaller_bucket(self, ns: list[int], most: int) -> int:
+        """A block without a queue: it pays its decode bucket's rows every step, so it runs
+        only until the requests still decoding (``ns``: the steps each can use) would fit the
+        next smaller decode bucket, else to ``most``."""
+        smaller = [b for b in buckets.decode_buckets(self.cfg, 0) if b < len(ns)]
+        if not smaller:  # already the smallest bucket
+            return most
+        # After k steps, n > k requests still decode; they fit ``smaller[-1]`` rows once k
+        # reaches the (smaller[-1] + 1)-th largest n.
+        return max(1, min(most, sorted(ns, reverse=True)[smaller[-1]]))
+
+    def slot_for_waiting(self) -> bool:
+        """Whether a waiting request could take a slot free now or at the next step's
+        retirement: that step should admit it (an ordinary step), not run a block of decode
+        steps or a speculative step, which admit nobody."""
+        return bool(self.waiting) and bool(self.free_slots or self._last_samples)
+
+    def may_stop_early(self) -> bool:
+        """Whether a running request could end before its token budget (EOS, a stop token or
+        string: ``stop_checker.may_stop_early``)."""
+        return any(stop_checker.may_stop_early(seq) for seq in self.running.values())
+
+    def block_cut(self, seq: Request, missing: int) -> None:
+        """A block of decode steps ended early on the device (a stop token): ``seq`` got
+        ``missing`` fewer tokens than planned. Its counters go back; its pages for them stay
+        (the next steps fill them)."""
+        seq.num_computed -= missing
+        seq.num_sampled -= missing
+        self.ledger.charge(seq.tenant, output=-missing)
+
+    def _proposal(self, seq: Request, propose, out: SchedulerOutput) -> Proposal | None:
+        """``seq``'s proposal for a speculative dispatch of ``out.steps`` steps, with pages for
+        all of it (no pages free: none; speculation never preempts anyone). At most K tokens a
+        step plus the token each further step emits (one a step for a request that does not
+        speculate), and never past the request's token budget or ``max_seq_len`` as far as
+        the host knows (the device clips to what it knows: a step in flight may have emitted
+        more)."""
+        per_step = self.cfg.num_speculative_tokens + 1 if seq.speculates else 1
+        cap = min(
+            out.steps * per_step - 1,
+            seq.max_tokens - seq.num_sampled - 1,
+            self.cfg.max_seq_len - seq.num_computed - 1,
+        )
+        proposal = propose(seq, cap) if cap > 0 else None
+        if proposal is None:
+            return None
+        upto = self._reach(seq, cap)
+        # Keep a page in reserve per running request, so the others' next tokens still fit.
+        if self._pages_short(seq, upto) > self.allocator.num_free - len(self.running):
+            return None
+        self._grow(seq, upto, out)
+        seq.spec_pending += cap
+        return proposal
+
+    def spec_pages_needed(self) -> int:
+        """Pages a speculative dispatch would take at most if every request got all it may
+        emit (``buckets.spec_extra``; the engine plans one while another runs only when they
+        are free: no preemption)."""
+        extra = buckets.spec_extra(self.cfg)
+        reach = lambda s: self._reach(s, extra)
+        need = sum(max(0, self._pages_short(s, reach(s))) for s in self.running.values())
+        return need + len(self.running)  # the reserve of ``_proposal``
+
+    def accept(self, seq: Request, extra: int, settled: int) -> None:
+        """A speculative step emitted ``extra`` tokens for ``seq`` beyond the one it was planned
+        with (-1: none, the device found the request done) and settles ``settled`` of its
+        ``spec_pending``: advance its counters, and return the pages past what the device may
+        still write (their K/V came from rejected proposals; the next step allocates afresh)."""
+        seq.num_computed += extra
+        seq.num_sampled += extra
+        seq.spec_pending = max(0, seq.spec_pending - settled)
+        if extra > 0:
+            self.ledger.charge(seq.tenant, output=extra)
+        keep = -(-(seq.num_computed + seq.spec_pending) // self.cfg.page_size)
+        if len(seq.pages) > keep:
+            self.allocator.free(seq.pages[keep:])
+            del seq.pages[keep:]
+
+    def _block_idle_budget(self, out: SchedulerOutput) -> int | None:
+        """For a block planned while requests queue and a request may stop on a token: the
+        slot-steps the device may still leave idle behind stop tokens (what the plan's own
+        idle rows leave of the allowance; ``decode_block.py``). None: it runs its whole
+        count."""
+        if not (self.waiting and self.may_stop_early()):
+            return None
+        planned_idle = sum(out.steps - n for n in out.block_tokens)
+        return max(0, BLOCK_IDLE_STEPS * self.cfg.max_slots - planned_idle)

@@ -1,0 +1,163 @@
+"""Blocks of decode steps on requests that end by a stop token, with and without the device's
+early end (``decode_block.py``).
+
+    python scripts/bench_block_stops.py [--slots 32] [--requests 256] [--decode-steps 8 16]
+                                        [--median 48] [--reps 3] [--out docs/bench_block_stops]
+
+Workload (demo model, greedy): each request stops at a token of its own greedy output — the
+first token, at or after a log-normal position (median ``--median``, 48 by default; 1-399),
+that has not appeared earlier in it (none: it runs to 400 tokens) — so output lengths are a
+long tail ending by a stop token, as EOS ends them, while the host cannot know them when it
+plans a block. The step-by-step engine computes the
+outputs first; every run must reproduce their lengths.
+
+Engines, one process, runs interleaved ``--reps`` times: step by step (``decode_steps=1``),
+and per ``--decode-steps`` value blocks with the device's early end, and blocks without it
+(its core's step clears the stop ids the host sends, so the device runs each block to its
+planned count: the engine before the early end). Prints wall-time medians, the ratio to step by
+step, host share, dispatches per step, steps and blocks ended early; writes OUT.json, OUT.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jbatch import LLM, SamplingParams
+from jbatch.demo import demo_model_path
+
+
+def engine(slots: int, decode_steps: int, early_end: bool = True) -> LLM:
+    llm = LLM(
+        str(demo_model_path()), max_slots=slots, num_pages=2048, max_seq_len=512,
+        max_num_batched_tokens=256, decode_steps=decode_steps,
+    )  # fmt: skip
+    if not early_end:
+        core, step = llm.engine.core, llm.engine.core.step
+
+        def step_without_stop_ids(params, state, inp, bitmask=None):
+            inp.batch.block_stop_tokens.fill(-1)
+            return step(params, state, inp, bitmask)
+
+        core.step = step_without_stop_ids
+    return llm
+
+
+def workload(llm: LLM, requests: int, seed: int, median: int) -> tuple[list, list, list[int]]:
+    """Prompts, per-request params (one stop token id each), and the output lengths."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, 500, rng.integers(16, 64)).tolist() for _ in range(requests)]
+    full_params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, full_params, use_tqdm=False)
+    at = np.clip(rng.lognormal(np.log(median), 0.8, requests), 1, 399).astype(int)
+    params, lens = [], []
+    for out, p in zip(outs, at):
+        ids = out.outputs[0].token_ids
+        q = next((q for q in range(p, len(ids)) if ids[q] not in ids[:q]), None)
+        params.append(full_params.replace(stop_token_ids=[ids[q]] if q is not None else []))
+        lens.append(len(ids) if q is None else q + 1)
+    return prompts, params, lens
+
+
+def timed_run(llm: LLM, prompts, params, lens: list[int]) -> dict:
+    eng = llm.engine
+    before, t0 = eng.stats(), time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall, after = time.perf_counter() - t0, eng.stats()
+    got = [len(o.outputs[0].token_ids) for o in outs]
+    if got != lens:
+        raise AssertionError("output lengths differ from step by step")
+    steps = after.steps - before.steps
+    return {
+        "wall_s": wall,
+        "tok_per_s": sum(lens) / wall,
+        "steps": steps,
+        "dispatches_per_step": (after.dispatches - before.dispatches) / steps,
+        "host_share": (after.host_only_seconds - before.host_only_seconds) / wall,
+        "blocks_ended_early": after.blocks_ended_early - before.blocks_ended_early,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--decode-steps", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--median", type=int, default=48, help="median stop position (tokens)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="docs/bench_block_stops")
+    args = ap.parse_args()
+    engines = {"step by step": engine(args.slots, 1)}
+    prompts, params, lens = workload(engines["step by step"], args.requests, args.seed, args.median)
+    for n in args.decode_steps:
+        engines[f"blocks of {n}"] = engine(args.slots, n)
+        engines[f"blocks of {n}, no early end"] = engine(args.slots, n, early_end=False)
+    for llm in engines.values():  # warm caches and the pool
+        llm.generate(prompts[: args.slots], params[: args.slots], use_tqdm=False)
+    runs: dict[str, list[dict]] = {name: [] for name in engines}
+    for _ in range(args.reps):
+        for name, llm in engines.items():
+            runs[name].append(timed_run(llm, prompts, params, lens))
+    base = float(np.median([r["wall_s"] for r in runs["step by step"]]))
+    rows = []
+    for name, rs in runs.items():
+        wall = float(np.median([r["wall_s"] for r in rs]))
+        med = lambda key: float(np.median([r[key] for r in rs]))  # noqa: B023
+        rows.append({
+            "engine": name, "median_wall_s": wall, "tok_per_s": sum(lens) / wall,
+            "vs_step_by_step": base / wall, "host_share": med("host_share"),
+            "dispatches_per_step": med("dispatches_per_step"), "steps": med("steps"),
+            "blocks_ended_early": med("blocks_ended_early"), "runs": rs,
+        })  # fmt: skip
+    print(f"\ndemo model, {args.slots} slots, {args.requests} requests ending by a stop token "
+          f"({sum(lens)} output tokens, median {np.median(lens):.0f}), "
+          f"median of {args.reps} interleaved runs")  # fmt: skip
+    print(f"{'engine':<28} {'tok/s':>7} {'vs steps':>9} {'host':>6} {'disp/step':>10} "
+          f"{'steps':>6} {'ended early':>12}")  # fmt: skip
+    for r in rows:
+        print(f"{r['engine']:<28} {r['tok_per_s']:7.0f} {r['vs_step_by_step']:8.2f}x "
+              f"{r['host_share']:6.1%} {r['dispatches_per_step']:10.2f} {r['steps']:6.0f} "
+              f"{r['blocks_ended_early']:12.0f}")  # fmt: skip
+    summary = {
+        "command": "python scripts/bench_block_stops.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": platform.platform(),
+        "output_tokens": sum(lens),
+        "rows": rows,
+    }
+    out = Path(args.out).with_suffix(".json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1))
+    plot(rows, args, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def plot(rows: list[dict], args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (tput, share) = plt.subplots(1, 2, figsize=(10, 3.5))
+    names = [r["engine"] for r in rows]
+    tput.barh(names, [r["tok_per_s"] for r in rows], color="tab:blue")
+    tput.set(xlabel="output tokens/s", title="throughput")
+    tput.invert_yaxis()
+    share.barh(names, [100 * r["host_share"] for r in rows], color="tab:orange")
+    share.set(xlabel="host share of the wall time (%)", title="host time")
+    share.invert_yaxis()
+    share.set_yticklabels([])
+    fig.suptitle(f"demo model, {args.slots} slots, {args.requests} stop-token-ended requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
