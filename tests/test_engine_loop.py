@@ -319,14 +319,21 @@ def test_a_block_runs_past_a_request_end_while_its_idle_rows_stay_in_budget():
     assert eng.scheduler.allocator.num_used == 0
 
 
-def test_a_block_that_may_hold_a_stop_lands_before_the_next_is_planned_while_requests_queue():
-    """2 slots, blocks of 8, a third request queued: A stops at its 2nd token (a stop id). Its
-    block lands before the next is planned, so A is planned for one block, not two, and the
-    queued request gets A's slot after ~10 device steps instead of ~18."""
+@pytest.mark.parametrize("arrives_mid_block", [False, True])
+def test_a_block_that_may_hold_a_stop_lands_before_the_next_is_planned_while_requests_queue(
+    arrives_mid_block,
+):
+    """2 slots, blocks of 8, a third request queued (from the start, or arriving while a
+    block planned without a queue runs): A stops at its 2nd token (a stop id). Its block lands
+    before the next is planned, so A is planned for one block, not two, and the queued request
+    gets A's slot after ~10 device steps instead of ~18."""
     eng = mock_engine(max_slots=2, decode_steps=8, num_pages=64, max_seq_len=256)
     stop = expected_tokens([5, 6, 7], 64, 0, False, VOCAB)[1]
     a = eng.add_request([5, 6, 7], greedy(64).replace(stop_token_ids=[stop]))
     eng.add_request([8, 9, 10], greedy(64))
+    if arrives_mid_block:
+        eng.step()  # the prompts
+        eng.step()  # a block, planned with nothing queued
     c = eng.add_request([11, 12], greedy(4))
     A, C = eng.requests[a], eng.requests[c]
     while C.first_scheduled_step is None:
@@ -378,6 +385,32 @@ def test_a_block_ends_on_the_device_once_a_stop_token_idles_its_slot_past_the_bu
     if queued:
         assert tokens[c] == expected_tokens([11, 12], 4, 0, False, VOCAB)
     assert stats.tokens == sum(map(len, tokens.values()))
+    assert eng.scheduler.allocator.num_used == 0
+
+
+def test_a_block_cut_short_keeps_the_fair_queue_order():
+    """``fair`` policy, 2 slots, blocks of 8: tenant a's request stops at the block's first
+    step, so the device ends the block early and its planned tokens are given back. Tenant a
+    stays charged for them (the fair queue's counters only grow), so a request of a that
+    arrived while the block ran still has the smaller counter and is admitted first."""
+    eng = mock_engine(max_slots=2, decode_steps=8, num_pages=64, max_seq_len=256,
+                      scheduling_policy="fair", debug_checks=True)  # fmt: skip
+    stop = expected_tokens([40, 41, 42], 64, 0, False, VOCAB)[1]
+    eng.add_request([40, 41, 42], greedy(40).replace(stop_token_ids=[stop]), tenant="a")
+    eng.add_request([10, 11, 12], greedy(40), tenant="b")
+    eng.step()  # both prompts
+    eng.add_request([50, 51], greedy(4), tenant="a", priority=1)
+    eng.add_request([20, 21], greedy(4), tenant="b")
+    eng.add_request([22, 23], greedy(4), tenant="b")
+    eng.step()  # the block
+    a2 = eng.add_request([30, 31], greedy(4), tenant="a")
+    plans = []
+    schedule = eng.scheduler.schedule
+    eng.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
+    eng.step()  # lands the block (cut short), then admits into the freed slot
+    assert eng.stats().blocks_ended_early == 1
+    assert [s.request_id for s in plans[-1].inserts] == [a2]
+    run_all(eng)
     assert eng.scheduler.allocator.num_used == 0
 
 

@@ -100,10 +100,9 @@ class EngineConfig:
         left idle stay within ``multi_step_planning.BLOCK_IDLE_STEPS`` steps' worth (the
         device ends it early when requests that sampled a stop token would idle past that);
         without a queue, until the requests still decoding fit a smaller decode bucket. The
-        cost: a request
-        that stops early (EOS, stop string) idles its slot until its block ends (while
-        requests queue, such a block lands before the next is planned), and text streams a
-        block at a time. With speculative decoding: up to
+        cost: a request that stops early (EOS, stop string) idles its slot until its block
+        ends (while requests queue, such a block lands before the next is planned), and text
+        streams a block at a time. With speculative decoding: up to
         this many speculative steps per dispatch (``spec_block.py``; the n-gram stream
         grows on the device between them).
         1: off (one step per dispatch). None (the default): ``SPECULATIVE_DECODE_STEPS`` with

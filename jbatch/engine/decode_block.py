@@ -57,6 +57,7 @@ def decode_block(
         i, st, rows, stopped, idle = carry
         st, out = one(st)
         hit = (out.tokens[:, None] == batch.block_stop_tokens).any(axis=1) & out.sampled
+        hit &= st.decode_mask  # one at its planned last token: the plan counted its idle rows
         stopped = stopped | hit
         idle = idle + stopped.sum(dtype=jnp.int32)  # what one more step would leave idle
         rows = jax.lax.dynamic_update_slice(rows, out.packed()[None], (i, 0))

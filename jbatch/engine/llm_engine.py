@@ -215,11 +215,12 @@ class LLMEngine:
         # for the next speculative dispatch's stream (spec_block.py): it lands first too.
         block_running = last is not None and last.drafts is None and last.steps > 1
         overlaps = spec and self._speculator.overlaps(self.scheduler)
-        # A block planned while requests queued and its requests may stop early (EOS, a stop
-        # token or string) lands first: it may end early on the device, which gives planned
-        # tokens back (decode_block.py), and planned blind, a request that stopped would hold
-        # its slot for another whole block.
-        stops = block_running and last.idle_budget is not None
+        # A block that may have ended early on the device lands first: that gives planned
+        # tokens back (decode_block.py). So does one whose requests may stop early (EOS, a
+        # stop token or string) while requests queue, arrived since it was planned too:
+        # planned blind, a request that stopped would hold its slot for another whole block.
+        may_stop = bool(self.scheduler.waiting) and self.scheduler.may_stop_early()
+        stops = block_running and (last.idle_budget is not None or may_stop)
         if (spec_running and not overlaps) or (block_running and spec) or stops:
             outputs += self.drain()
             spec = self._speculation_wanted()

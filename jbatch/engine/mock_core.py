@@ -86,7 +86,10 @@ class MockCore:
                 st, one = self._step(st, batch, bitmask)
                 steps.append((one.tokens, one.sampled, one.logprobs))
                 hit = (one.tokens[:, None] == batch.block_stop_tokens).any(axis=1)
-                stopped |= hit & one.sampled
+                max_len = st.page_tables.shape[1] * self.cfg.page_size
+                more = decodes(st.active, st.seq_lens, st.prefill_lens, st.num_generated,
+                               st.max_tokens, max_len)  # fmt: skip
+                stopped |= hit & one.sampled & more
                 idle += int(stopped.sum())
             steps += [tuple(np.zeros_like(f) for f in steps[0])] * (n - len(steps))
             block = tuple(np.stack(field) for field in zip(*steps))

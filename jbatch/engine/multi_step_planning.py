@@ -91,11 +91,13 @@ class MultiStepPlanning:
 
     def block_cut(self, seq: Request, missing: int) -> None:
         """A block of decode steps ended early on the device (a stop token): ``seq`` got
-        ``missing`` fewer tokens than planned. Its counters go back; its pages for them stay
-        (the next steps fill them)."""
+        ``missing`` fewer tokens than planned. Its counters go back, and it no longer has its
+        last token in flight; its pages for them stay (the next steps fill them). Its tenant
+        stays charged for them: the fair queue's counters only grow (``fair_queue.py``)."""
         seq.num_computed -= missing
         seq.num_sampled -= missing
-        self.ledger.charge(seq.tenant, output=-missing)
+        if seq in self._last_samples and seq.num_sampled < seq.max_tokens:
+            self._last_samples.remove(seq)
 
     def _proposal(self, seq: Request, propose, out: SchedulerOutput) -> Proposal | None:
         """``seq``'s proposal for a speculative dispatch of ``out.steps`` steps, with pages for
@@ -150,7 +152,7 @@ class MultiStepPlanning:
         slot-steps the device may still leave idle behind stop tokens (what the plan's own
         idle rows leave of the allowance; ``decode_block.py``). None: it runs its whole
         count."""
-        if not (self.waiting and self.may_stop_early()):
+        if out.steps == 1 or not (self.waiting and self.may_stop_early()):
             return None
         planned_idle = sum(out.steps - n for n in out.block_tokens)
         return max(0, BLOCK_IDLE_STEPS * self.cfg.max_slots - planned_idle)

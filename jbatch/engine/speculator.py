@@ -30,8 +30,6 @@ how a speculative step's results become each request's tokens.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from jbatch.engine import ngram_proposer
@@ -89,14 +87,17 @@ def _block_emitted(sched: SchedulerOutput, block, scheduler: Scheduler, counters
     count the steps it ran."""
     tokens, sampled, logprobs = (field.T.tolist() for field in block)
     out = []
-    for (seq, slot), planned in zip(sched.samplers, sched.block_tokens or itertools.repeat(0)):
+    # A decode-only step of an engine with blocks runs the block program too; it planned one
+    # token per decode (no ``block_tokens``), and nothing is given back.
+    planned_tokens = sched.block_tokens or [0] * len(sched.samplers)
+    for (seq, slot), planned in zip(sched.samplers, planned_tokens):
         got = sum(sampled[slot])
         if got < planned and not seq.finished:
             scheduler.block_cut(seq, planned - got)
         out.append((seq, list(zip(tokens[slot], logprobs[slot]))[:got]))
     if sched.idle_budget is not None:
         ran = int(block[1].any(axis=1).sum())
-        counters["blocks_ended_early"] += ran < sched.steps
+        counters["blocks_ended_early"] += int(ran < sched.steps)
         counters["steps"] -= sched.steps - ran
         counters["decode_rows"] -= len(sched.decodes) * (sched.steps - ran)
     return out

@@ -46,9 +46,9 @@ def may_stop_early(seq: Request) -> bool:
 
 
 def stop_token_ids(seq: Request) -> tuple[int, ...]:
-    """The token ids that end ``seq`` (:func:`append_token`'s first two checks)."""
+    """The token ids that end ``seq`` (:func:`append_token`'s first two checks), EOS first."""
     p = seq.params
-    return tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(seq.eos_ids))
+    return (() if p.ignore_eos else tuple(sorted(seq.eos_ids))) + tuple(p.stop_token_ids)
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
