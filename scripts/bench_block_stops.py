@@ -1,21 +1,23 @@
 """Blocks of decode steps on requests that end by a stop token, with and without the device's
 early end (``decode_block.py``).
 
-    python scripts/bench_block_stops.py [--slots 32] [--requests 256] [--decode-steps 8 16]
-                                        [--median 48] [--reps 3] [--out docs/bench_block_stops]
+    python scripts/bench_block_stops.py [--model DIR] [--slots 32] [--requests 256]
+                                        [--decode-steps 8 16] [--no-ablation] [--median 48]
+                                        [--reps 3] [--out docs/bench_block_stops]
 
-Workload (demo model, greedy): each request stops at a token of its own greedy output — the
-first token, at or after a log-normal position (median ``--median``, 48 by default; 1-399),
-that has not appeared earlier in it (none: it runs to 400 tokens) — so output lengths are a
-long tail ending by a stop token, as EOS ends them, while the host cannot know them when it
-plans a block. The step-by-step engine computes the
-outputs first; every run must reproduce their lengths.
+Workload (the demo model, or ``--model``; greedy): each request stops at a token of its own
+greedy output — the first token, at or after a log-normal position (median ``--median``, 48
+by default; 1-399), that has not appeared earlier in it (none: it runs to 400 tokens) — so
+output lengths are a long tail ending by a stop token, as EOS ends them, while the host cannot
+know them when it plans a block. The step-by-step engine computes the outputs first; every run
+must reproduce their lengths.
 
 Engines, one process, runs interleaved ``--reps`` times: step by step (``decode_steps=1``),
-and per ``--decode-steps`` value blocks with the device's early end, and blocks without it
-(its core's step clears the stop ids the host sends, so the device runs each block to its
-planned count: the engine before the early end). Prints wall-time medians, the ratio to step by
-step, host share, dispatches per step, steps and blocks ended early; writes OUT.json, OUT.png.
+and per ``--decode-steps`` value blocks with the device's early end, and (unless
+``--no-ablation``) blocks without it (its core's step clears the stop ids the host sends, so
+the device runs each block to its planned count: the engine before the early end). Prints
+wall-time medians, the ratio to step by step, host share, dispatches per step, steps and
+blocks ended early; writes OUT.json, OUT.png.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ from jbatch import LLM, SamplingParams
 from jbatch.demo import demo_model_path
 
 
-def engine(slots: int, decode_steps: int, early_end: bool = True) -> LLM:
+def engine(model: str, slots: int, decode_steps: int, early_end: bool = True) -> LLM:
     llm = LLM(
-        str(demo_model_path()), max_slots=slots, num_pages=2048, max_seq_len=512,
+        model, max_slots=slots, num_pages=2048, max_seq_len=512,
         max_num_batched_tokens=256, decode_steps=decode_steps,
     )  # fmt: skip
     if not early_end:
@@ -86,6 +88,8 @@ def timed_run(llm: LLM, prompts, params, lens: list[int]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="HF checkpoint folder (default: the demo model)")
+    ap.add_argument("--no-ablation", action="store_true", help="skip the no-early-end engines")
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, nargs="+", default=[8, 16])
@@ -94,11 +98,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="docs/bench_block_stops")
     args = ap.parse_args()
-    engines = {"step by step": engine(args.slots, 1)}
+    model = args.model or str(demo_model_path())
+    engines = {"step by step": engine(model, args.slots, 1)}
     prompts, params, lens = workload(engines["step by step"], args.requests, args.seed, args.median)
     for n in args.decode_steps:
-        engines[f"blocks of {n}"] = engine(args.slots, n)
-        engines[f"blocks of {n}, no early end"] = engine(args.slots, n, early_end=False)
+        engines[f"blocks of {n}"] = engine(model, args.slots, n)
+        if not args.no_ablation:
+            engines[f"blocks of {n}, no early end"] = engine(model, args.slots, n, False)
     for llm in engines.values():  # warm caches and the pool
         llm.generate(prompts[: args.slots], params[: args.slots], use_tqdm=False)
     runs: dict[str, list[dict]] = {name: [] for name in engines}
@@ -116,8 +122,8 @@ def main() -> None:
             "dispatches_per_step": med("dispatches_per_step"), "steps": med("steps"),
             "blocks_ended_early": med("blocks_ended_early"), "runs": rs,
         })  # fmt: skip
-    print(f"\ndemo model, {args.slots} slots, {args.requests} requests ending by a stop token "
-          f"({sum(lens)} output tokens, median {np.median(lens):.0f}), "
+    print(f"\n{Path(model).name}, {args.slots} slots, {args.requests} requests ending by a stop "
+          f"token ({sum(lens)} output tokens, median {np.median(lens):.0f}), "
           f"median of {args.reps} interleaved runs")  # fmt: skip
     print(f"{'engine':<28} {'tok/s':>7} {'vs steps':>9} {'host':>6} {'disp/step':>10} "
           f"{'steps':>6} {'ended early':>12}")  # fmt: skip
@@ -154,7 +160,8 @@ def plot(rows: list[dict], args, path: Path) -> None:
     share.set(xlabel="host share of the wall time (%)", title="host time")
     share.invert_yaxis()
     share.set_yticklabels([])
-    fig.suptitle(f"demo model, {args.slots} slots, {args.requests} stop-token-ended requests")
+    name = Path(args.model).name if args.model else "demo model"
+    fig.suptitle(f"{name}, {args.slots} slots, {args.requests} stop-token-ended requests")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
