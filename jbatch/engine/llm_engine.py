@@ -219,8 +219,10 @@ class LLMEngine:
         # tokens back (decode_block.py). So does one whose requests may stop early (EOS, a
         # stop token or string) while requests queue, arrived since it was planned too:
         # planned blind, a request that stopped would hold its slot for another whole block.
-        may_stop = bool(self.scheduler.waiting) and self.scheduler.may_stop_early()
-        stops = block_running and (last.idle_budget is not None or may_stop)
+        stops = block_running and (
+            last.idle_budget is not None
+            or (bool(self.scheduler.waiting) and self.scheduler.may_stop_early())
+        )
         if (spec_running and not overlaps) or (block_running and spec) or stops:
             outputs += self.drain()
             spec = self._speculation_wanted()

@@ -86,10 +86,7 @@ class MockCore:
                 st, one = self._step(st, batch, bitmask)
                 steps.append((one.tokens, one.sampled, one.logprobs))
                 hit = (one.tokens[:, None] == batch.block_stop_tokens).any(axis=1)
-                max_len = st.page_tables.shape[1] * self.cfg.page_size
-                more = decodes(st.active, st.seq_lens, st.prefill_lens, st.num_generated,
-                               st.max_tokens, max_len)  # fmt: skip
-                stopped |= hit & one.sampled & more
+                stopped |= hit & one.sampled & self._decodes(st)
                 idle += int(stopped.sum())
             steps += [tuple(np.zeros_like(f) for f in steps[0])] * (n - len(steps))
             block = tuple(np.stack(field) for field in zip(*steps))
@@ -156,15 +153,19 @@ class MockCore:
         assert (tokens >= 0).all(), f"slot {slot} reads a position never written"
         return tokens.tolist()
 
+    def _decodes(self, st: MockState) -> np.ndarray:
+        """The decode rule (``state.decodes``) on the mock's arrays: slots that may decode."""
+        max_len = st.page_tables.shape[1] * self.cfg.page_size
+        return decodes(
+            st.active, st.seq_lens, st.prefill_lens, st.num_generated, st.max_tokens, max_len
+        )
+
     def _step(self, st: MockState, b, bitmask=None):
         s = self.cfg.max_slots
         for slot, idx, page in zip(b.write_slots, b.write_index, b.write_pages):
             if slot < s:
                 st.page_tables[slot, idx] = page
-        max_len = st.page_tables.shape[1] * self.cfg.page_size
-        decode = decodes(
-            st.active, st.seq_lens, st.prefill_lens, st.num_generated, st.max_tokens, max_len
-        )
+        decode = self._decodes(st)
         listed = np.zeros(s + 1, bool)
         listed[np.asarray(b.decode_slots)] = True  # padding entries hit index s
         decode &= listed[:s]

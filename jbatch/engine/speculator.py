@@ -81,21 +81,20 @@ class Speculator:
 
 
 def _block_emitted(sched: SchedulerOutput, block, scheduler: Scheduler, counters) -> list:
-    """:func:`emitted` for a block of decode steps. One that ended early on the device (a stop
-    token, ``decode_block.py``) ran fewer steps than planned: each request that got fewer
-    tokens than planned gives the rest back (``Scheduler.block_cut``), and the step counters
-    count the steps it ran."""
+    """:func:`emitted` for a block of decode steps. Only one with an idle budget can end
+    before its planned count (on a stop token, ``decode_block.py``): then each request that
+    got fewer tokens than planned gives the rest back (``Scheduler.block_cut``), and the step
+    counters count the steps it ran."""
     tokens, sampled, logprobs = (field.T.tolist() for field in block)
-    out = []
-    # A decode-only step of an engine with blocks runs the block program too; it planned one
-    # token per decode (no ``block_tokens``), and nothing is given back.
-    planned_tokens = sched.block_tokens or [0] * len(sched.samplers)
-    for (seq, slot), planned in zip(sched.samplers, planned_tokens):
-        got = sum(sampled[slot])
-        if got < planned and not seq.finished:
-            scheduler.block_cut(seq, planned - got)
-        out.append((seq, list(zip(tokens[slot], logprobs[slot]))[:got]))
+    got = [sum(sampled[slot]) for _, slot in sched.samplers]
+    out = [
+        (seq, list(zip(tokens[slot], logprobs[slot]))[:n])
+        for (seq, slot), n in zip(sched.samplers, got)
+    ]
     if sched.idle_budget is not None:
+        for (seq, _), n, planned in zip(sched.samplers, got, sched.block_tokens):
+            if n < planned and not seq.finished:
+                scheduler.block_cut(seq, planned - n)
         ran = int(block[1].any(axis=1).sum())
         counters["blocks_ended_early"] += int(ran < sched.steps)
         counters["steps"] -= sched.steps - ran
