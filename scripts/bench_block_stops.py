@@ -3,14 +3,19 @@ early end (``decode_block.py``).
 
     python scripts/bench_block_stops.py [--model DIR] [--slots 32] [--requests 256]
                                         [--decode-steps 8 16] [--no-ablation] [--median 48]
-                                        [--reps 3] [--out docs/bench_block_stops]
+                                        [--stop-kind token|string] [--reps 3]
+                                        [--out docs/bench_block_stops]
 
 Workload (the demo model, or ``--model``; greedy): each request stops at a token of its own
 greedy output — the first token, at or after a log-normal position (median ``--median``, 48
 by default; 1-399), that has not appeared earlier in it (none: it runs to 400 tokens) — so
 output lengths are a long tail ending by a stop token, as EOS ends them, while the host cannot
-know them when it plans a block. The step-by-step engine computes the outputs first; every run
-must reproduce their lengths.
+know them when it plans a block. ``--stop-kind string``: the stop is that token's text as a stop
+string instead (``SamplingParams.stop``; it may match earlier, inside other tokens' text). The
+host finds a stop string in the detokenized text after a block lands; the device never sees it,
+so a block runs to its planned end past one (a stop string is the one end a block can neither
+plan for nor end early at). The step-by-step engine computes the outputs first; every run must
+reproduce their lengths.
 
 Engines, one process, runs interleaved ``--reps`` times: step by step (``decode_steps=1``),
 and per ``--decode-steps`` value blocks with the device's early end, and (unless
@@ -51,8 +56,11 @@ def engine(model: str, slots: int, decode_steps: int, early_end: bool = True) ->
     return llm
 
 
-def workload(llm: LLM, requests: int, seed: int, median: int) -> tuple[list, list, list[int]]:
-    """Prompts, per-request params (one stop token id each), and the output lengths."""
+def workload(
+    llm: LLM, requests: int, seed: int, median: int, stop_kind: str = "token"
+) -> tuple[list, list, list[int]]:
+    """Prompts, per-request params (one stop token id or stop string each), and the output
+    lengths."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, 500, rng.integers(16, 64)).tolist() for _ in range(requests)]
     full_params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -64,6 +72,12 @@ def workload(llm: LLM, requests: int, seed: int, median: int) -> tuple[list, lis
         q = next((q for q in range(p, len(ids)) if ids[q] not in ids[:q]), None)
         params.append(full_params.replace(stop_token_ids=[ids[q]] if q is not None else []))
         lens.append(len(ids) if q is None else q + 1)
+    if stop_kind == "string":  # the same tokens' text; lengths as the step-by-step engine ends
+        decode = llm.tokenizer.decode
+        texts = [decode([p.stop_token_ids[0]]) if p.stop_token_ids else "" for p in params]
+        # (a token that is part of a UTF-8 character decodes to U+FFFD alone: no stop string)
+        params = [full_params.replace(stop=[t] if t and "\ufffd" not in t else None) for t in texts]
+        lens = [len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     return prompts, params, lens
 
 
@@ -95,12 +109,16 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--median", type=int, default=48, help="median stop position (tokens)")
+    ap.add_argument("--stop-kind", choices=("token", "string"), default="token",
+                    help="end each request by a stop token id or by that token's text")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="docs/bench_block_stops")
     args = ap.parse_args()
     model = args.model or str(demo_model_path())
     engines = {"step by step": engine(model, args.slots, 1)}
-    prompts, params, lens = workload(engines["step by step"], args.requests, args.seed, args.median)
+    prompts, params, lens = workload(
+        engines["step by step"], args.requests, args.seed, args.median, args.stop_kind
+    )
     for n in args.decode_steps:
         engines[f"blocks of {n}"] = engine(model, args.slots, n)
         if not args.no_ablation:
@@ -123,7 +141,7 @@ def main() -> None:
             "blocks_ended_early": med("blocks_ended_early"), "runs": rs,
         })  # fmt: skip
     print(f"\n{Path(model).name}, {args.slots} slots, {args.requests} requests ending by a stop "
-          f"token ({sum(lens)} output tokens, median {np.median(lens):.0f}), "
+          f"{args.stop_kind} ({sum(lens)} output tokens, median {np.median(lens):.0f}), "
           f"median of {args.reps} interleaved runs")  # fmt: skip
     print(f"{'engine':<28} {'tok/s':>7} {'vs steps':>9} {'host':>6} {'disp/step':>10} "
           f"{'steps':>6} {'ended early':>12}")  # fmt: skip
@@ -161,7 +179,8 @@ def plot(rows: list[dict], args, path: Path) -> None:
     share.invert_yaxis()
     share.set_yticklabels([])
     name = Path(args.model).name if args.model else "demo model"
-    fig.suptitle(f"{name}, {args.slots} slots, {args.requests} stop-token-ended requests")
+    ended = f"stop-{args.stop_kind}-ended"
+    fig.suptitle(f"{name}, {args.slots} slots, {args.requests} {ended} requests")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
