@@ -28,13 +28,11 @@ blocks ended early; writes OUT.json, OUT.png.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from bench_report import write_summary
 
 from jbatch import LLM, SamplingParams
 from jbatch.demo import demo_model_path
@@ -152,16 +150,7 @@ def main() -> None:
         print(f"{r['engine']:<28} {r['tok_per_s']:7.0f} {r['vs_step_by_step']:8.2f}x "
               f"{r['host_share']:6.1%} {r['dispatches_per_step']:10.2f} {r['steps']:6.0f} "
               f"{r['blocks_ended_early']:12.0f}")  # fmt: skip
-    summary = {
-        "command": "python scripts/bench_block_stops.py " + " ".join(sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": platform.platform(),
-        "output_tokens": sum(lens),
-        "rows": rows,
-    }
-    out = Path(args.out).with_suffix(".json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=1))
+    out = write_summary(args.out, output_tokens=sum(lens), rows=rows)
     plot(rows, args, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

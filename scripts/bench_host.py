@@ -21,8 +21,6 @@ Three measurements (prints tables, writes OUT.json and OUT.png):
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -32,6 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_batching import ideal_steps, make_workload, run
+from bench_report import write_summary
 
 from jbatch import LLM, SamplingParams
 from jbatch.demo import demo_model_path
@@ -208,17 +207,7 @@ def main() -> None:
     print("\n3. host us per token (MockCore): "
           f"40-token requests {tokens['us_per_token_40']:.1f}, 4000-token requests "
           f"{tokens['us_per_token_4000']:.1f} (ratio {tokens['ratio']:.2f})")  # fmt: skip
-    summary = {
-        "command": "python scripts/bench_host.py " + " ".join(sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": platform.platform(),
-        "demo": demo,
-        "continuous_vs_static": batching,
-        "per_token": tokens,
-    }
-    out = Path(args.out).with_suffix(".json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=1))
+    out = write_summary(args.out, demo=demo, continuous_vs_static=batching, per_token=tokens)
     plot(demo, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
