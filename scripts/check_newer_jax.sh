@@ -16,8 +16,7 @@ py="$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python"
 [ -d "$venv" ] || "$py" -m venv "$venv"
 # The project's own dependency list (pyproject.toml), so a new dependency is never missing here;
 # then jbatch itself goes again: the venv imports the checkout through PYTHONPATH.
-"$venv/bin/pip" install -q -U "$spec" pytest
-"$venv/bin/pip" install -q "$root" "$spec"
+"$venv/bin/pip" install -q -U "$root" "$spec" pytest
 "$venv/bin/pip" uninstall -q -y jbatch
 "$venv/bin/python" -c "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__)"
 cd "$root"
