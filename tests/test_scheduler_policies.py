@@ -280,6 +280,20 @@ def test_a_step_runs_the_compiled_pair_with_the_fewest_rows(slots, rows, decodes
         assert [buckets.fit_prompt_rows(cfg, 40, d) for d in (2, 31)] == [32, 48]
 
 
+@pytest.mark.parametrize(
+    ("slots", "want"),
+    [(8, (1, 2, 4, 8)), (16, (1, 2, 4, 8, 16)), (32, (1, 2, 4, 8, 16, 24, 32)),
+     (256, (1, 2, 4, 8, 16, 32, 64, 128, 192, 256)), (100, (1, 3, 6, 12, 25, 50, 75, 100))],
+)  # fmt: skip
+def test_decode_only_buckets_halve_down_to_one_row_and_add_three_quarters_of_max_slots(slots, want):
+    cfg = EngineConfig(block_q=16, max_num_batched_tokens=512, max_slots=slots)
+    assert buckets.decode_buckets(cfg, 0) == want
+    if slots == 32:  # 17-24 decodes run 24 rows, 25 run the full bucket
+        assert [buckets.pick_pair(cfg, 0, d) for d in (16, 17, 24, 25)] == [
+            (0, 16), (0, 24), (0, 24), (0, 32)
+        ]  # fmt: skip
+
+
 def test_a_budget_of_one_block_has_one_prefill_bucket():
     cfg = EngineConfig(block_q=16, max_num_batched_tokens=16, max_slots=16)
     assert buckets.prefill_buckets(cfg) == (0, 16)

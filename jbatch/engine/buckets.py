@@ -21,10 +21,12 @@ prompt runs (64, 8), not (48, max_slots) — with 256 slots (64, 16): 80 rows in
 Decode-only steps (``rows == 0``: the steady state, and the tail end of a long tail with a few
 long requests left) get power-of-two decode buckets down to one row: on the 30-layer shape a
 decode step of 1/2/4/8/16/32 rows took 20/27/30/37/49/74 ms (CPU, context 200), so a step pays
-for about the rows it uses. Steps with prompt rows, whose cost the prompt rows dominate, get
-only ``max_slots`` and its quarters (at least 8 rows), which bounds the program count: 32 slots
-and a 512-token budget (prefill buckets 16/32/48/64/256/512) compile 6 + 4 x 2 + 2 = 16 step
-programs.
+for about the rows it uses. Between the two largest, where a row costs the most, they also get
+3/4 ``max_slots`` (24 of 32: the forward and LM head of 24 rows took 79 ms against 92 at 32;
+the 30-layer long tail runs 30 of its ~150 decode-only steps with 17-24 decodes). Steps with
+prompt rows, whose cost the prompt rows dominate, get only ``max_slots`` and its quarters (at
+least 8 rows), which bounds the program count: 32 slots and a 512-token budget (prefill
+buckets 16/32/48/64/256/512) compile 7 + 4 x 2 + 2 = 17 step programs.
 
 Roles (``EngineConfig.role``, disaggregation): a "prefill" engine never decodes, so it compiles
 one program per non-zero prefill bucket, each with zero decode rows; a "decode" engine compiles
@@ -96,12 +98,17 @@ MIN_DECODE_ROWS = 1  # the smallest decode-only bucket (mixed steps: at least 8 
 
 MIN_MIXED_DECODE_ROWS = 8
 
+# Decode-only steps also get a bucket of 3/4 ``max_slots`` rows (24 of 32) when that is at least
+# this many rows (module doc).
+MIN_THREE_QUARTER_ROWS = 16
+
 
 def decode_buckets(cfg: EngineConfig, rows: int = 0) -> tuple[int, ...]:
     """Decode row counts compiled with ``rows`` prompt-chunk rows: ``max_slots``, then halves
-    down to MIN_DECODE_ROWS (decode-only steps) or quarters down to MIN_MIXED_DECODE_ROWS
-    (steps with prompt rows on the 4x ladder); ``max_slots`` only with the prefill buckets
-    between the ladder's rungs (module doc). A prefill engine: zero decode rows only."""
+    down to MIN_DECODE_ROWS and 3/4 ``max_slots`` (decode-only steps; the latter from
+    MIN_THREE_QUARTER_ROWS rows) or quarters down to MIN_MIXED_DECODE_ROWS (steps with prompt
+    rows on the 4x ladder); ``max_slots`` only with the prefill buckets between the ladder's
+    rungs (module doc). A prefill engine: zero decode rows only."""
     if cfg.role == "prefill":
         return (0,)
     if rows in _between(cfg, _ladder(cfg)):
@@ -111,7 +118,9 @@ def decode_buckets(cfg: EngineConfig, rows: int = 0) -> tuple[int, ...]:
     while d >= least:
         sizes.append(d)
         d //= shrink
-    return tuple(sorted(sizes))
+    if rows == 0 and 3 * cfg.max_slots // 4 >= MIN_THREE_QUARTER_ROWS:
+        sizes.append(3 * cfg.max_slots // 4)
+    return tuple(sorted(set(sizes)))
 
 
 def bucket_pairs(cfg: EngineConfig) -> tuple[tuple[int, int], ...]:
