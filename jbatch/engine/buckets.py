@@ -23,7 +23,7 @@ long requests left) get power-of-two decode buckets down to one row: on the 30-l
 decode step of 1/2/4/8/16/32 rows took 20/27/30/37/49/74 ms (CPU, context 200), so a step pays
 for about the rows it uses. Between the two largest, where a row costs the most, they also get
 3/4 ``max_slots`` (24 of 32: the forward and LM head of 24 rows took 79 ms against 92 at 32;
-the 30-layer long tail runs 30 of its ~150 decode-only steps with 17-24 decodes). Steps with
+the 30-layer long tail runs 30 of its 224 decode-only steps with 17-24 decodes). Steps with
 prompt rows, whose cost the prompt rows dominate, get only ``max_slots`` and its quarters (at
 least 8 rows), which bounds the program count: 32 slots and a 512-token budget (prefill
 buckets 16/32/48/64/256/512) compile 7 + 4 x 2 + 2 = 17 step programs.
