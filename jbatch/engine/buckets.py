@@ -118,9 +118,10 @@ def decode_buckets(cfg: EngineConfig, rows: int = 0) -> tuple[int, ...]:
     while d >= least:
         sizes.append(d)
         d //= shrink
-    if rows == 0 and 3 * cfg.max_slots // 4 >= MIN_THREE_QUARTER_ROWS:
-        sizes.append(3 * cfg.max_slots // 4)
-    return tuple(sorted(set(sizes)))
+    three_quarters = 3 * cfg.max_slots // 4  # above every halving: never a duplicate
+    if rows == 0 and three_quarters >= MIN_THREE_QUARTER_ROWS:
+        sizes.append(three_quarters)
+    return tuple(sorted(sizes))
 
 
 def bucket_pairs(cfg: EngineConfig) -> tuple[tuple[int, int], ...]:
