@@ -39,8 +39,10 @@ def scrambled_tables(num_slots, max_pages, seed) -> np.ndarray:
     return perm[: num_slots * max_pages].reshape(num_slots, max_pages).astype(np.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 8), donate_argnums=3)
-def _jitted_forward(cfg, impl, params, cache, tokens, positions, slots, tables, num_decode):
+@functools.partial(jax.jit, static_argnums=(0, 1, 8, 9), donate_argnums=3)
+def _jitted_forward(
+    cfg, impl, params, cache, tokens, positions, slots, tables, num_decode, packed_rows=None
+):
     h, cache = forward(
         params,
         cfg,
@@ -52,6 +54,7 @@ def _jitted_forward(cfg, impl, params, cache, tokens, positions, slots, tables, 
         num_decode=num_decode,
         block_q=BLOCK_Q,
         attn_impl=impl,
+        packed_rows=packed_rows,
     )
     return compute_logits(params, h, cfg), cache
 
@@ -60,9 +63,21 @@ class PagedRunner:
     """Feeds token rows through ``forward`` the way the engine does: decode rows first, then
     prompt chunks padded to blocks of BLOCK_Q."""
 
-    def __init__(self, cfg, params, page_size, tables, impl="auto", decode_rows=2, prefill_rows=48):
+    def __init__(
+        self,
+        cfg,
+        params,
+        page_size,
+        tables,
+        impl="auto",
+        decode_rows=2,
+        prefill_rows=48,
+        packed_rows=None,
+    ):
         # Fixed row counts (padded with position -1) so each test compiles one program.
+        # ``packed_rows``: the layers compute the prompt tokens packed into that many rows.
         self.decode_rows, self.prefill_rows = decode_rows, prefill_rows
+        self.packed_rows = packed_rows
         self.cfg, self.params = cfg, params
         self.cache = nan_cache(cfg, page_size)
         self.tables = jnp.asarray(tables)
@@ -91,8 +106,16 @@ class PagedRunner:
         assert pad >= 0, "step does not fit the runner's fixed rows"
         toks, pos, slots = toks + [0] * pad, pos + [-1] * pad, slots + [0] * pad
         arr = lambda x: jnp.asarray(np.asarray(x, np.int32))
+        assert self.packed_rows is None or sum(len(c[1]) for c in chunks) <= self.packed_rows
         logits, self.cache = self._fwd(
-            self.params, self.cache, arr(toks), arr(pos), arr(slots), self.tables, self.decode_rows
+            self.params,
+            self.cache,
+            arr(toks),
+            arr(pos),
+            arr(slots),
+            self.tables,
+            self.decode_rows,
+            self.packed_rows,
         )
         logits = np.asarray(logits)
         nd = self.decode_rows
@@ -160,6 +183,40 @@ def test_chunked_prefill_then_decode_match_hf(variant, impl):
         gap = ref.max(-1) - ref[np.arange(len(ref)), chosen]
         assert np.all(gap < 1e-3), name
     assert np.isfinite(np.asarray(runner.cache.k[0][runner.tables[0, 0]])).all()
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_packed_prompt_rows_match_hf(variant, impl):
+    """Three prompts of 5, 11 and 19 tokens (48 block rows, 35 tokens) in one step beside a
+    decode, the layers computing them packed into 40 rows (``forward(packed_rows=...)``),
+    then decodes of all four: every logits row is HF's."""
+    name, cfg, params, model = variant
+    rng = np.random.RandomState(5)
+    prompts = [rng.randint(0, cfg.vocab_size, n) for n in (20, 5, 11, 19)]
+    refs = [hf_logits(model, ids) for ids in prompts]
+    tables = scrambled_tables(4, 12, seed=13)
+    runner = PagedRunner(cfg, params, 4, tables, impl=impl, decode_rows=4, packed_rows=40)
+    got = [dict() for _ in prompts]
+    (first,) = runner.step([], [(0, prompts[0][:16], 0)])  # 16 tokens: no packing needed
+    got[0].update(enumerate(first))
+    rows = runner.step([(0, prompts[0][16], 16)], [(i, prompts[i], 0) for i in (1, 2, 3)])
+    got[0][16] = rows[0]
+    for i, chunk in zip((1, 2, 3), rows[1:]):
+        got[i].update(enumerate(chunk))
+    pos = [17, 5, 11, 19]
+    for _ in range(3):
+        live = [i for i in range(4) if pos[i] < len(prompts[i])]
+        out = runner.step([(i, prompts[i][pos[i]], pos[i]) for i in live], [])
+        for i, row in zip(live, out):
+            got[i][pos[i]] = row
+            pos[i] += 1
+    for i, (ids, ref) in enumerate(zip(prompts, refs)):
+        mine = np.stack([got[i][j] for j in sorted(got[i])])
+        assert sorted(got[i]) == list(range(len(mine))), (name, i)
+        err = rel_err(mine, ref[: len(mine)])
+        assert err < 1e-4, f"{name} prompt {i}: rel err {err}"
+    for i, n in enumerate(pos):  # each prompt's full pages hold its K, nothing NaN
+        assert np.isfinite(np.asarray(runner.cache.k[0])[tables[i, : n // 4]]).all(), (name, i)
 
 
 def test_bfloat16_forward_runs_close(hf_checkpoint):

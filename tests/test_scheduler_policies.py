@@ -234,27 +234,34 @@ def test_aging_bounds_the_wait_of_a_low_priority_long_prompt():
 
 def test_fit_prompt_rows_picks_the_nearest_bucket_above_the_smallest():
     cfg = EngineConfig(block_q=16, max_num_batched_tokens=512)
-    assert buckets.prefill_buckets(cfg) == (0, 16, 32, 48, 64, 256, 512)
-    wanted = (1, 16, 32, 48, 64, 80, 144, 160, 256, 368, 384, 512, 600)
+    assert buckets.prefill_buckets(cfg) == (0, 16, 32, 48, 64, 320, 640)  # 256, 512 packed
+    wanted = (1, 16, 32, 48, 64, 80, 144, 160, 192, 256, 368, 384, 512, 600)
     fit = {w: buckets.fit_prompt_rows(cfg, w) for w in wanted}
     # never down to the single-block bucket; down while fewer rows are left over than padded
-    assert fit == {1: 16, 16: 16, 32: 32, 48: 48, 64: 64, 80: 64, 144: 64, 160: 256, 256: 256,
-                   368: 256, 384: 512, 512: 512, 600: 512}  # fmt: skip
+    assert fit == {1: 16, 16: 16, 32: 32, 48: 48, 64: 64, 80: 64, 144: 64, 160: 64, 192: 320,
+                   256: 320, 368: 320, 384: 320, 512: 640, 600: 640}  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("block_q", "budget", "want"),
     [(16, 32, (16, 32)), (16, 40, (16, 32, 48)), (16, 64, (16, 32, 48, 64)),
-     (8, 256, (8, 16, 24, 32, 128, 256)), (16, 2048, (16, 32, 48, 64, 256, 1024, 2048))],
+     (8, 256, (8, 16, 24, 32, 128, 256)), (16, 2048, (16, 32, 48, 64, 256, 1024, 2048)),
+     (16, 100, (16, 32, 48, 64, 112))],
 )  # fmt: skip
 def test_prefill_buckets_are_whole_blocks_up_to_four_then_4x_apart(block_q, budget, want):
+    """``want``: the dense rows of each prompt bucket; above four blocks a bucket is a packed
+    region of 5/4 as many block rows (the chunks' block padding, ``buckets.region_rows``)."""
     cfg = EngineConfig(block_q=block_q, max_num_batched_tokens=budget, max_slots=32)
-    assert buckets.prefill_buckets(cfg) == (0, *want)
-    assert buckets.prefill_buckets(dataclasses.replace(cfg, role="prefill")) == want
+    region = {d: d if d <= 4 * block_q else d + -(-d // 4 // block_q) * block_q for d in want}
+    regions = tuple(region[d] for d in want)
+    assert buckets.prefill_buckets(cfg) == (0, *regions)
+    assert buckets.prefill_buckets(dataclasses.replace(cfg, role="prefill")) == regions
+    assert [buckets.dense_rows(cfg, r) for r in regions] == list(want)
     # Between the 4x rungs: the full decode bucket only (a busy batch admitting a prompt).
-    rungs = {r for r in want if r == want[-1] or (r // block_q) in (1, 4, 16, 64, 256)}
+    rungs = {r for r in want if r == want[-1] or (r // block_q) not in (2, 3)}
     for rows in want:
-        assert buckets.decode_buckets(cfg, rows) == ((8, 32) if rows in rungs else (32,)), rows
+        got = buckets.decode_buckets(cfg, region[rows])
+        assert got == ((8, 32) if rows in rungs else (32,)), rows
 
 
 @pytest.mark.parametrize(
@@ -263,17 +270,20 @@ def test_prefill_buckets_are_whole_blocks_up_to_four_then_4x_apart(block_q, budg
      (32, 48, 9, (48, 32)),  # a busy batch admitting a prompt: the in-between bucket
      (32, 32, 0, (32, 32)),  # 64 rows, fewer than (64, 8)'s 72
      (256, 32, 0, (64, 16)),  # not (32, 256): a lone prompt on a big idle engine
-     (256, 40, 31, (64, 64)), (32, 0, 3, (0, 4)), (32, 300, 32, (512, 32))],
+     (256, 40, 31, (64, 64)), (32, 0, 3, (0, 4)), (32, 300, 32, (320, 32))],
 )  # fmt: skip
 def test_a_step_runs_the_compiled_pair_with_the_fewest_rows(slots, rows, decodes, pair):
     cfg = EngineConfig(block_q=16, max_num_batched_tokens=512, max_slots=slots)
     assert buckets.pick_pair(cfg, rows, decodes) == pair
+    # 300 block rows of 280 tokens: the 320-row region computes only 256 of them.
+    assert buckets.pick_pair(cfg, 300, 32, tokens=280) == (640, 32 if slots == 32 else 64)
     pairs = buckets.bucket_pairs(cfg)
-    for r in range(0, 513, 16):  # every step: the pick holds it, none holding it is smaller
+    cost = lambda pair: buckets.dense_rows(cfg, pair[0]) + pair[1]  # the rows it computes
+    for r in range(0, 641, 16):  # every step: the pick holds it, none holding it is cheaper
         for d in range(slots + 1):
             got = buckets.pick_pair(cfg, r, d)
             assert got in pairs and got[0] >= r and got[1] >= d
-            assert sum(got) == min(a + b for a, b in pairs if a >= r and b >= d), (r, d)
+            assert cost(got) == min(cost(p) for p in pairs if p[0] >= r and p[1] >= d), (r, d)
     # The scheduler plans prompt rows for what such a step runs: with few decodes a 40-row
     # want is cut to 32 (the 48-row program would pad 32 decode rows), with many it gets 48.
     if slots == 32:

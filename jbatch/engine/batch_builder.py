@@ -14,7 +14,8 @@ from jbatch.engine.step_input import StepInput
 def build_step_input(cfg: EngineConfig, core, sched: SchedulerOutput) -> StepInput:
     """The step's input from ``core.new_input`` (buffers holding the defaults), filled in:
     slots to release, requests to insert, decode slots, prompt-chunk rows, page writes."""
-    inp = core.new_input(*buckets.pick_pair(cfg, sched.prompt_rows, len(sched.decodes)))
+    pair = buckets.pick_pair(cfg, sched.prompt_rows, len(sched.decodes), sched.prompt_tokens)
+    inp = core.new_input(*pair)
     inp.release[sched.releases] = True
     for seq in sched.inserts:
         _fill_insert(cfg, inp.insert, seq)

@@ -63,20 +63,50 @@ def _between(cfg: EngineConfig, ladder: list[int]) -> set[int]:
     return {r for r in linear if r < ladder[-1]} - set(ladder)
 
 
+# A packed prompt region (module doc) holds its dense rows plus this fraction of them again
+# for the chunks' block padding (1/4: 512 dense rows in 640 block rows).
+PACKED_SLACK = 4
+
+
+def region_rows(cfg: EngineConfig, dense: int) -> int:
+    """The block rows of a prompt region whose dense layers compute ``dense`` rows: ``dense``
+    up to LINEAR_PREFILL_BLOCKS blocks (one prompt or so: nothing to pack), else ``dense``
+    plus PACKED_SLACK's share of it, in whole blocks."""
+    if dense <= LINEAR_PREFILL_BLOCKS * cfg.block_q:
+        return dense
+    return dense + block_rows(cfg, dense // PACKED_SLACK)
+
+
 def prefill_buckets(cfg: EngineConfig) -> tuple[int, ...]:
-    """Prompt-chunk row counts: 0 (decode only), then 1 to LINEAR_PREFILL_BLOCKS whole
-    ``block_q`` blocks, then 4x apart up to the budget (module doc)."""
+    """Prompt regions, in block rows: 0 (decode only), then 1 to LINEAR_PREFILL_BLOCKS whole
+    ``block_q`` blocks, then 4x apart up to the budget, those packed (:func:`region_rows`;
+    module doc)."""
     ladder = _ladder(cfg)
-    rows = sorted({*ladder, *_between(cfg, ladder)})
+    rows = sorted({*map(functools.partial(region_rows, cfg), ladder), *_between(cfg, ladder)})
     return tuple(rows) if cfg.role == "prefill" else (0, *rows)
 
 
-def pick_bucket(cfg: EngineConfig, rows: int) -> int:
-    """Smallest bucket holding ``rows`` prompt-chunk rows."""
+@functools.cache
+def _dense_of(cfg: EngineConfig) -> dict[int, int]:
+    return {region_rows(cfg, d): d for d in (0, *_ladder(cfg), *_between(cfg, _ladder(cfg)))}
+
+
+def dense_rows(cfg: EngineConfig, rows: int) -> int:
+    """The prompt rows the dense layers compute in the prompt region of ``rows`` block rows
+    (a bucket): fewer than ``rows`` in a packed region, else ``rows``."""
+    return _dense_of(cfg).get(rows, rows)
+
+
+def pick_bucket(cfg: EngineConfig, rows: int, tokens: int = 0) -> int:
+    """Smallest prompt region holding ``rows`` block rows of chunks of ``tokens`` tokens."""
     for b in prefill_buckets(cfg):
-        if b >= rows:
+        if b >= rows and dense_rows(cfg, b) >= tokens:
             return b
-    raise ValueError(f"{rows} prompt rows exceed the largest bucket {prefill_buckets(cfg)[-1]}")
+    top = prefill_buckets(cfg)[-1]
+    raise ValueError(
+        f"{rows} prompt rows of {tokens} tokens exceed the largest bucket {top} "
+        f"({dense_rows(cfg, top)} tokens)"
+    )
 
 
 def fit_prompt_rows(cfg: EngineConfig, wanted: int, decodes: int = 0) -> int:
@@ -141,18 +171,19 @@ def _prompt_sizes(cfg: EngineConfig, decodes: int) -> list[int]:
 
 @functools.cache
 def _pairs_by_rows(cfg: EngineConfig) -> tuple[tuple[int, int], ...]:
-    return tuple(sorted(bucket_pairs(cfg), key=lambda pair: (sum(pair), pair)))
+    cost = lambda pair: (dense_rows(cfg, pair[0]) + pair[1], pair)  # the dense rows it computes
+    return tuple(sorted(bucket_pairs(cfg), key=cost))
 
 
-def pick_pair(cfg: EngineConfig, rows: int, decodes: int) -> tuple[int, int]:
-    """The compiled (prompt rows, decode rows) pair of a step with ``rows`` prompt-chunk rows
-    and ``decodes`` decode rows: of the pairs holding both, the one with the fewest rows in
-    all (then the fewest prompt rows)."""
+def pick_pair(cfg: EngineConfig, rows: int, decodes: int, tokens: int = 0) -> tuple[int, int]:
+    """The compiled (prompt rows, decode rows) pair of a step with ``rows`` prompt-chunk block
+    rows holding ``tokens`` tokens and ``decodes`` decode rows: of the pairs holding them, the
+    one with the fewest rows in all (then the fewest prompt rows)."""
     for pair in _pairs_by_rows(cfg):
-        if pair[0] >= rows and pair[1] >= decodes:
+        if pair[0] >= rows and dense_rows(cfg, pair[0]) >= tokens and pair[1] >= decodes:
             return pair
     raise ValueError(
-        f"no step program holds {rows} prompt rows and {decodes} decode rows "
+        f"no step program holds {rows} prompt rows of {tokens} tokens and {decodes} decode rows "
         f"(largest: {max(bucket_pairs(cfg))})"
     )
 

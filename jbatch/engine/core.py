@@ -128,7 +128,7 @@ def prompt_batch(cfg: EngineConfig, slot: int, token_ids, pages) -> StepBatch:
     """A step batch that prefills one whole prompt into ``slot`` and assigns it ``pages``
     (a convenience for driving the device API by hand; the scheduler builds batches itself)."""
     n = len(token_ids)
-    rows = buckets.pick_bucket(cfg, buckets.block_rows(cfg, n))
+    rows = buckets.pick_bucket(cfg, buckets.block_rows(cfg, n), n)
     if len(pages) > buckets.max_page_writes(cfg):
         raise ValueError(f"{len(pages)} pages exceed one step's {buckets.max_page_writes(cfg)}")
     batch = StepBatch.empty(cfg, rows, buckets.decode_buckets(cfg, rows)[-1])  # every slot
@@ -247,11 +247,13 @@ def step_forward(
     attention=None,
     experts=None,
     draft_cfg: ModelConfig | None = None,
+    packed_rows: int | None = None,
 ) -> tuple[EngineState, ForwardResult]:
     """Steps 1-3 of the module doc and the lengths of step 5: everything of a step that does
     not depend on the tokens it samples (``attention``, ``experts``, ``logits_shardings``: see
     :func:`step`; ``draft_cfg``: a draft model runs over the same token buffer, its params are
-    ``params["draft"]``, ``draft_proposer.step_draft_cache``)."""
+    ``params["draft"]``, ``draft_proposer.step_draft_cache``; ``packed_rows``: the layers
+    compute the prompt chunks' tokens packed into that many rows, ``llama.forward``)."""
     s = state.max_slots
     page_tables = state.page_tables.at[batch.write_slots, batch.write_index].set(
         batch.write_pages, mode="drop"
@@ -280,6 +282,7 @@ def step_forward(
         attn_impl=attn_impl,
         attention=attention,
         experts=experts,
+        packed_rows=packed_rows,
     )
     draft_cache = step_draft_cache(
         params, draft_cfg, state, tokens, positions, slots, page_tables,
@@ -374,7 +377,8 @@ def step(
 
     ``token_bitmask``: the tokens each slot may sample (structured output; see
     ``sampler.apply_bitmask``), None or all ones: any token. ``forward_kwargs``:
-    ``model_cfg``, ``block_q``, ``attn_impl``; ``attention`` and ``experts`` replace the model's
+    ``model_cfg``, ``block_q``, ``attn_impl``, ``packed_rows`` (a packed prompt region's dense
+    rows: ``buckets.dense_rows``); ``attention`` and ``experts`` replace the model's
     attention and MoE expert calls (tensor parallelism: per shard); ``logits_shardings``
     (tensor parallelism): constrain the logits to each in turn — vocab-split as the LM head
     makes them, then replicated — so only ``[slots, vocab]`` logits are gathered (never the LM

@@ -57,5 +57,5 @@ def row_cap(
     """The prompt rows to schedule this step, beside its ``decodes`` decode rows, at most
     (module doc)."""
     wanted = wanted_rows(cfg, running, waiting, free_slots, step)
-    wanted = min(wanted, buckets.block_rows(cfg, budget))
+    wanted = min(wanted, buckets.region_rows(cfg, buckets.block_rows(cfg, budget)))
     return buckets.fit_prompt_rows(cfg, max(wanted, 1), decodes)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 
-from jbatch.engine import prompt_rows
+from jbatch.engine import buckets, prompt_rows
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.multi_step_planning import MultiStepPlanning
 from jbatch.engine.page_allocator import PageAllocator
@@ -229,6 +229,7 @@ class Scheduler(MultiStepPlanning):
         rows = prompt_rows.row_cap(
             self.cfg, order, self.waiting, free, self.num_steps, budget, len(out.decodes)
         )
+        budget = min(budget, buckets.dense_rows(self.cfg, rows))  # a packed region's tokens
         for seq in order:
             running_prompt = seq.status is RequestStatus.RUNNING and seq.prefilling
             if running_prompt and budget > 0 and rows >= self.cfg.block_q:
@@ -327,6 +328,7 @@ class Scheduler(MultiStepPlanning):
             self._sampled(seq)
         used = -(-n // bq) * bq
         out.prompt_rows += used
+        out.prompt_tokens += n
         return budget - n, rows - used
 
     def _admit(self, out: SchedulerOutput, budget: int, rows: int) -> None:

@@ -50,7 +50,8 @@ class SchedulerOutput:
     # Prefill role: (sequence, slot, pages) of prompts done, copied out before the step for a
     # decode engine (``handover.py``); their slots and pages are free for this step.
     handovers: list[tuple[Request, int, list[int]]] = dataclasses.field(default_factory=list)
-    prompt_rows: int = 0  # chunk rows used, before rounding up to a bucket
+    prompt_rows: int = 0  # chunk rows used (whole blocks), before rounding up to a bucket
+    prompt_tokens: int = 0  # the chunks' tokens: what a packed region's dense rows hold
     paced_pairs: int = 0  # query-key pairs of paced chunks (``prefill_pacer.py``)
     dispatched_at: float = 0.0  # when the engine dispatched the step (perf_counter)
     # (sequence, slot) of every sequence that receives a token from this step; the slot is kept

@@ -27,8 +27,10 @@ class SplitPrograms:
 
     def __init__(self, layouts: dict[tuple[int, int], StepInputLayout], step_kwargs: dict):
         def forward(layout: StepInputLayout):
+            kwargs = {**step_kwargs, **layout.step_kwargs()}
+
             def run(params, state, ints, floats):
-                return engine_forward(params, state, *layout.unpack(ints, floats), **step_kwargs)
+                return engine_forward(params, state, *layout.unpack(ints, floats), **kwargs)
 
             return jax.jit(run, donate_argnums=1)
 

@@ -61,8 +61,12 @@ class StepInput:
 class StepInputLayout:
     """Static packing of a ``(release, SlotInsert, StepBatch)`` pytree (see module doc)."""
 
-    def __init__(self, template: tuple[np.ndarray, Any, Any], key: tuple = ()):
+    def __init__(
+        self, template: tuple[np.ndarray, Any, Any], key: tuple = (), packed_rows: int | None = None
+    ):
         self.key = key  # the program it feeds: (rows, decode_rows), or ("spec", groups)
+        # A packed prompt region (``buckets.py``): the prompt rows its dense layers compute.
+        self.packed_rows = packed_rows
         leaves, self.treedef = jax.tree.flatten(template)
         self.fields: list[_Field] = []
         sizes = [0, 0]
@@ -86,7 +90,13 @@ class StepInputLayout:
         release = np.zeros(cfg.max_slots, bool)
         batch = StepBatch.empty(cfg, rows, decode_rows)
         batch.decode_slots[:] = cfg.max_slots  # padding: the host lists the decoding slots
-        return cls((release, build_empty_insert(cfg), batch), (rows, decode_rows))
+        dense = buckets.dense_rows(cfg, rows)
+        template = (release, build_empty_insert(cfg), batch)
+        return cls(template, (rows, decode_rows), dense if dense < rows else None)
+
+    def step_kwargs(self) -> dict:
+        """Keywords of ``core.step`` particular to this layout's program."""
+        return {} if self.packed_rows is None else {"packed_rows": self.packed_rows}
 
     @classmethod
     def for_spec_bucket(cls, cfg: EngineConfig, groups: int) -> StepInputLayout:

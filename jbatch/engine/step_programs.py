@@ -60,6 +60,8 @@ def packed_step(layout: StepInputLayout, cfg: EngineConfig, **step_kwargs) -> Ca
 
         return run
 
+    step_kwargs = {**step_kwargs, **layout.step_kwargs()}
+
     def run(params, state, ints, floats, bitmask):
         state, out = engine_step(
             params, state, *layout.unpack(ints, floats), bitmask, **step_kwargs

@@ -22,16 +22,23 @@ Decode rows are single tokens of any sequences; prefill rows are prompt chunks c
 ``block_q`` tokens of one sequence each (padding: position -1). Each token carries its slot id and
 absolute position; its K/V is scattered into the pool at ``page_tables[slot, pos // S]`` before
 attention, which then reads every sequence through its page table.
+
+``packed_rows``: the prompt region's padding is left out of everything but attention. The
+region's valid rows are gathered to the front of ``packed_rows`` rows (:class:`Packing`); the
+embedding, projections, MLPs and the K/V scatter run on those, and only attention sees the
+blocks (its queries gathered into them, its output gathered back). The hidden states come
+back in the block layout, so the caller reads rows where it always did.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jbatch.models import moe, quant
 from jbatch.models.config import ModelConfig
@@ -107,6 +114,34 @@ def _layer(params: Params, cfg: ModelConfig, i: int) -> Params:
     lp = layer_params(params["layers"], i)
     group = group_of_layer(cfg, i)
     return lp if group is None else {**lp, **layer_params(params[group[0]], group[1])}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Packing:
+    """Gathers between the block layout of a step's rows ([T]: decode rows, then prompt blocks)
+    and its packed layout ([N]: decode rows, then the valid prompt rows, then fill rows)."""
+
+    packed: Int[Array, " n"]  # each packed row's row in the block layout
+    blocks: Int[Array, " t"]  # each block row's packed row (a padding row: a nearby valid one)
+    filled: Bool[Array, " n"]  # packed rows that hold a token (decode rows always count)
+
+    @classmethod
+    def of(cls, positions: Int[Array, " t"], num_decode: int, packed_rows: int) -> Packing:
+        """The packing of the prompt region's valid rows (position >= 0) into ``packed_rows``
+        rows (at least as many as are valid: the scheduler's token budget)."""
+        valid = positions[num_decode:] >= 0  # [R]
+        count = jnp.sum(valid)
+        take = jnp.nonzero(valid, size=packed_rows, fill_value=0)[0]  # [P] valid rows first
+        fill = jnp.arange(packed_rows) >= count
+        take = jnp.where(fill, take[0], take)  # fill rows copy a valid row (finite values)
+        rank = jnp.clip(jnp.cumsum(valid) - 1, 0, packed_rows - 1)  # [R]
+        decode = jnp.arange(num_decode)
+        return cls(
+            packed=jnp.concatenate([decode, num_decode + take]),
+            blocks=jnp.concatenate([decode, num_decode + rank]),
+            filled=jnp.concatenate([jnp.ones(num_decode, bool), ~fill]),
+        )
 
 
 def _entries(slots, page_tables, num_decode: int, block_q: int, t: int):
@@ -216,8 +251,11 @@ def forward(
     attention=None,
     experts=None,
     decode_block: int = 1,
+    packed_rows: int | None = None,
 ) -> tuple[Float[Array, "t e"], KVCache]:
     """Run the decoder over a flat token batch; returns final-norm hidden states and the pool.
+    ``packed_rows``: the prompt region's valid rows, packed into that many rows, are all the
+    dense layers compute (module doc).
 
     ``attention`` replaces the per-layer attention call (same arguments as ``_attention``);
     tensor parallelism passes a ``shard_map`` of it (``jbatch.parallel.attention``), and
@@ -238,6 +276,13 @@ def forward(
             f"blocks of block_q={block_q}"
         )
     h_, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    block_positions, block_slots = positions, slots  # attention's layout
+    packing = None
+    if packed_rows is not None:  # the dense layers run on the packed rows
+        packing = Packing.of(positions, num_decode, packed_rows)
+        tokens, slots = tokens[packing.packed], slots[packing.packed]
+        positions = jnp.where(packing.filled, positions[packing.packed], -1)
+        t = num_decode + packed_rows
     x = quant.embed_rows(params, jnp.clip(tokens, 0, cfg.vocab_size - 1))  # [T, E]
     if cfg.embed_multiplier != 1.0:
         x = x * jnp.asarray(cfg.embed_multiplier, x.dtype)  # rounded to x's dtype, as HF does
@@ -257,11 +302,11 @@ def forward(
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache = write_layer(cache, i, k, v, pages, offsets)
         attn = attend(
-            q,
+            q if packing is None else q[packing.blocks],
             cache,
             i,
-            slots,
-            positions,
+            block_slots,
+            block_positions,
             page_tables,
             num_decode,
             block_q,
@@ -270,6 +315,7 @@ def forward(
             cfg.attn_scale,
             cfg.attn_soft_cap,
         )
+        attn = attn if packing is None else attn[packing.packed]
         out = _linear(attn.reshape(t, h_ * d), lp, "wo", "bo")
         x = x + (_norm(cfg, out, lp["post_attn_norm"]) if cfg.sandwich_norms else out)
         xn = _norm(cfg, x, lp["mlp_norm"])
@@ -280,7 +326,8 @@ def forward(
             up = _linear(xn, lp, "w_up", "b_up")
             out = _linear(_activation(cfg, gate) * up, lp, "w_down", "b_down")
         x = x + (_norm(cfg, out, lp["post_mlp_norm"]) if cfg.sandwich_norms else out)
-    return _norm(cfg, x, params["final_norm"]), cache
+    hidden = _norm(cfg, x, params["final_norm"])
+    return (hidden if packing is None else hidden[packing.blocks]), cache
 
 
 def compute_logits(
