@@ -304,6 +304,37 @@ def test_decode_only_buckets_halve_down_to_one_row_and_add_three_quarters_of_max
         ]  # fmt: skip
 
 
+def test_short_prompts_fill_a_packed_region_to_its_token_budget():
+    """32 prompts of 39 tokens (48 block rows each: 1 536 rows, 1 248 tokens) through a
+    512-token budget: each step's prompt tokens fill what its decodes leave of the budget in
+    the packed 640-row region (512, then 499 beside the 13 prompts done in the first), the
+    third step the 237 left in the 320-row region (256 dense rows) — 1 280 prompt rows
+    computed, where whole blocks took 512 + 512 + 512. Outputs are exact, nothing leaks."""
+    eng = mock_engine(
+        block_q=16, max_num_batched_tokens=512, max_slots=32, num_pages=512, max_seq_len=64
+    )
+    prompts = [[3 + (i * 7 + j) % 90 for j in range(39)] for i in range(32)]
+    ids = [eng.add_request(p, params(3)) for p in prompts]
+    got = {i: [] for i in ids}
+    steps = []
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            got[o.request_id].extend(o.outputs[0].token_ids)
+        if eng._inflight:
+            sched = eng._inflight[-1][0]
+            if sched.chunks:
+                pair = buckets.pick_pair(
+                    eng.cfg, sched.prompt_rows, len(sched.decodes), sched.prompt_tokens
+                )
+                steps.append((sched.prompt_tokens, sched.prompt_rows, pair[0]))
+        eng.scheduler.check_invariants()
+    assert [(t, r) for t, _, r in steps] == [(512, 640), (499, 640), (237, 320)], steps
+    assert all(rows <= region for _, rows, region in steps)
+    assert [buckets.dense_rows(eng.cfg, r) for _, _, r in steps] == [512, 512, 256]
+    assert all(got[i] == expected(p, params(3)) for i, p in zip(ids, prompts))
+    assert_drained(eng)
+
+
 def test_a_budget_of_one_block_has_one_prefill_bucket():
     cfg = EngineConfig(block_q=16, max_num_batched_tokens=16, max_slots=16)
     assert buckets.prefill_buckets(cfg) == (0, 16)

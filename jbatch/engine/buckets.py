@@ -26,7 +26,17 @@ for about the rows it uses. Between the two largest, where a row costs the most,
 the 30-layer long tail runs 30 of its 224 decode-only steps with 17-24 decodes). Steps with
 prompt rows, whose cost the prompt rows dominate, get only ``max_slots`` and its quarters (at
 least 8 rows), which bounds the program count: 32 slots and a 512-token budget (prefill
-buckets 16/32/48/64/256/512) compile 7 + 4 x 2 + 2 = 17 step programs.
+buckets 16/32/48/64/320/640, the last two packed: below) compile 7 + 4 x 2 + 2 = 17 step
+programs.
+
+Packed prompt regions: each prompt chunk starts a new ``block_q`` block, because prompt
+attention takes blocks of one sequence, so a region of many short chunks is ~16-20% padding.
+Above LINEAR_PREFILL_BLOCKS blocks (the 4x rungs: 256, 512) a bucket is a *packed* region: its
+chunks are laid out in ``region_rows`` block rows (5/4 of its dense rows: 320, 640), and the
+model gathers their tokens into the dense rows (``llama.Packing``) for everything but
+attention. The scheduler caps such a step's tokens at the dense rows and its block rows at
+the region, so a step of 512 prompt tokens costs 512 rows, not ~600. A bucket is named by its
+block rows (what the scheduler's row cap counts); :func:`dense_rows` gives what it computes.
 
 Roles (``EngineConfig.role``, disaggregation): a "prefill" engine never decodes, so it compiles
 one program per non-zero prefill bucket, each with zero decode rows; a "decode" engine compiles

@@ -78,6 +78,9 @@ class MockCore:
 
     def step(self, params, st: MockState, inp: StepInput, bitmask=None):
         release, ins, batch = inp.structured()
+        packed = inp.layout.packed_rows  # a packed region computes only this many prompt rows
+        if packed is not None and int((batch.prefill_positions >= 0).sum()) > packed:
+            raise AssertionError(f"prompt tokens exceed the packed region's {packed} rows")
         st = self.insert(self.release(st, release), ins)
         if buckets.runs_blocks(self.cfg, inp.layout.key[0]):  # as decode_block.py
             steps, stopped, idle = [], np.zeros(self.cfg.max_slots, bool), 0
