@@ -15,8 +15,11 @@ Workloads (seeded, token-id prompts, ``ignore_eos`` so every output length is fi
   median 32, clipped to 4-512): static batches run to their longest member.
 
 Each engine lives in its own worker process (``bench_engines.py``), loaded and warmed up once;
-the parent then interleaves repetitions (A B C ... A B C ...) so only one engine computes at a
-time, and reports medians. Writes ``OUT.json`` and ``OUT.png``.
+the parent then interleaves repetitions so only one engine computes at a time, in an order
+reversed every other repetition (A B C, C B A, A B C, ...), and reports medians. (The order
+matters on this shared 2-core machine: with the same order every repetition, the engine that
+ran second was 5-9% faster than the first on the toy shape, whichever engine it was; see
+docs/benchmarks.md. An even ``--reps`` gives every engine each position equally often.) Writes ``OUT.json`` and ``OUT.png``.
 """
 
 from __future__ import annotations
@@ -151,7 +154,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="HF checkpoint folder (default: the --shape checkpoint)")
     ap.add_argument("--shape", choices=SHAPES, default="toy", help="random checkpoint's shape")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--slots", type=int, default=32, help="batch size / max_num_seqs everywhere")
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--workloads", default="equal,longtail")
@@ -181,9 +184,9 @@ def main() -> None:
             workers.append(Worker(e, python, args.model, work_file, args.slots))
             print(f"{LABELS[e]}: loaded and warmed up in {workers[-1].ready_s:.1f} s", flush=True)
         runs = {n: {e: [] for e in engines} for n in names}
-        for rep in range(args.reps):  # interleaved: A B C ... A B C ...
+        for rep in range(args.reps):  # interleaved: A B C, C B A, A B C, ...
             for n in names:
-                for w in workers:
+                for w in workers if rep % 2 == 0 else workers[::-1]:
                     time.sleep(1.0)  # let the previous engine's thread pool go idle
                     r = w.run(n)
                     runs[n][w.engine].append(r)

@@ -188,7 +188,8 @@ def _pairs_by_rows(cfg: EngineConfig) -> tuple[tuple[int, int], ...]:
 def pick_pair(cfg: EngineConfig, rows: int, decodes: int, tokens: int = 0) -> tuple[int, int]:
     """The compiled (prompt rows, decode rows) pair of a step with ``rows`` prompt-chunk block
     rows holding ``tokens`` tokens and ``decodes`` decode rows: of the pairs holding them, the
-    one with the fewest rows in all (then the fewest prompt rows)."""
+    one whose layers compute the fewest rows (:func:`dense_rows` plus decode rows; then the
+    fewest prompt rows)."""
     for pair in _pairs_by_rows(cfg):
         if pair[0] >= rows and dense_rows(cfg, pair[0]) >= tokens and pair[1] >= decodes:
             return pair
