@@ -2,7 +2,7 @@
 vs HF transformers (static ``generate``, continuous ``generate_batch``'s manager) vs vLLM's CPU
 build, one checkpoint.
 
-    python scripts/bench_offline.py [--shape toy|smollm2-135m | --model DIR] [--reps 5]
+    python scripts/bench_offline.py [--shape toy|smollm2-135m | --model DIR] [--reps 6]
                                     [--vllm-python VENV/bin/python]
 
 Checkpoint (``bench_shapes.py``): ``--shape toy`` (default) is a random 4-layer 256-wide Llama;
