@@ -19,7 +19,8 @@ the parent then interleaves repetitions so only one engine computes at a time, i
 reversed every other repetition (A B C, C B A, A B C, ...), and reports medians. (The order
 matters on this shared 2-core machine: with the same order every repetition, the engine that
 ran second was 5-9% faster than the first on the toy shape, whichever engine it was; see
-docs/benchmarks.md. An even ``--reps`` gives every engine each position equally often.) Writes ``OUT.json`` and ``OUT.png``.
+docs/benchmarks.md. An even ``--reps`` gives every engine each position equally often.)
+Writes ``OUT.json`` and ``OUT.png``.
 """
 
 from __future__ import annotations

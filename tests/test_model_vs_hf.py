@@ -210,7 +210,7 @@ def test_packed_prompt_rows_match_hf(variant, impl):
         for i, row in zip(live, out):
             got[i][pos[i]] = row
             pos[i] += 1
-    for i, (ids, ref) in enumerate(zip(prompts, refs)):
+    for i, ref in enumerate(refs):
         mine = np.stack([got[i][j] for j in sorted(got[i])])
         assert sorted(got[i]) == list(range(len(mine))), (name, i)
         err = rel_err(mine, ref[: len(mine)])
