@@ -98,7 +98,7 @@ def prefill_buckets(cfg: EngineConfig) -> tuple[int, ...]:
 
 @functools.cache
 def _dense_of(cfg: EngineConfig) -> dict[int, int]:
-    return {region_rows(cfg, d): d for d in (0, *_ladder(cfg), *_between(cfg, _ladder(cfg)))}
+    return {region_rows(cfg, d): d for d in _ladder(cfg)}  # only the 4x rungs are packed
 
 
 def dense_rows(cfg: EngineConfig, rows: int) -> int:
@@ -107,10 +107,16 @@ def dense_rows(cfg: EngineConfig, rows: int) -> int:
     return _dense_of(cfg).get(rows, rows)
 
 
+def _holds(cfg: EngineConfig, region: int, rows: int, tokens: int) -> bool:
+    """Whether the prompt region of ``region`` block rows holds chunks of ``rows`` block rows
+    and ``tokens`` tokens."""
+    return region >= rows and dense_rows(cfg, region) >= tokens
+
+
 def pick_bucket(cfg: EngineConfig, rows: int, tokens: int = 0) -> int:
     """Smallest prompt region holding ``rows`` block rows of chunks of ``tokens`` tokens."""
     for b in prefill_buckets(cfg):
-        if b >= rows and dense_rows(cfg, b) >= tokens:
+        if _holds(cfg, b, rows, tokens):
             return b
     top = prefill_buckets(cfg)[-1]
     raise ValueError(
@@ -191,7 +197,7 @@ def pick_pair(cfg: EngineConfig, rows: int, decodes: int, tokens: int = 0) -> tu
     one whose layers compute the fewest rows (:func:`dense_rows` plus decode rows; then the
     fewest prompt rows)."""
     for pair in _pairs_by_rows(cfg):
-        if pair[0] >= rows and dense_rows(cfg, pair[0]) >= tokens and pair[1] >= decodes:
+        if _holds(cfg, pair[0], rows, tokens) and pair[1] >= decodes:
             return pair
     raise ValueError(
         f"no step program holds {rows} prompt rows of {tokens} tokens and {decodes} decode rows "
