@@ -119,6 +119,28 @@ def test_every_decode_bucket_matches_hf(hf_checkpoint):
     assert ran[(32, 32)] and ran[(48, 32)], ran
 
 
+def test_a_packed_prompt_region_matches_hf_without_compiles(hf_checkpoint):
+    """A 128-token budget makes its top prefill bucket a packed region (128 dense rows in 160
+    block rows, ``buckets.region_rows``). Four 25-token prompts (128 block rows, 100 tokens)
+    arrive together: they prefill in one step of that program, compiled at warm-up, and every
+    generated token is HF's argmax."""
+    path, model = hf_checkpoint("llama")
+    cfg = dict(max_slots=4, page_size=8, num_pages=64, max_num_batched_tokens=128,
+               max_seq_len=96, block_q=16, debug_checks=True)  # fmt: skip
+    llm = LLM(path, **cfg)
+    region = buckets.prefill_buckets(llm.config)[-1]
+    assert (region, buckets.dense_rows(llm.config, region)) == (160, 128)
+    rng = np.random.RandomState(8)
+    prompts = [rng.randint(3, 384, size=25).tolist() for _ in range(4)]
+    with count_compiles() as compiled:
+        outs = llm.generate(prompts, GREEDY.replace(max_tokens=6), use_tqdm=False)
+    assert compiled == [], f"compiled after warm-up: {compiled}"
+    assert llm.engine.core.programs_run[(region, 4)] == 1, llm.engine.core.programs_run
+    for prompt, out in zip(prompts, outs):
+        assert_teacher_forced(model, prompt, out.outputs[0].token_ids)
+    assert_drained(llm)
+
+
 def test_batch_invariance_greedy_and_seeded(llama):
     llm, _ = llama
     rng = np.random.RandomState(5)
