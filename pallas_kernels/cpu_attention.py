@@ -39,10 +39,14 @@ log = logging.getLogger(__name__)
 
 TARGET = "jbatch_cpu_paged_attention"
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
-# Query blocks up to this many rows take the kernel (decode rows: 1, speculative groups: k + 1);
-# prompt blocks (block_q, 16 by default) keep XLA's batched dots, which the kernel's
-# key-by-key loop does not beat there.
+# Query blocks up to this many rows always take the kernel (decode rows: 1, speculative groups:
+# k + 1). Larger blocks (prompt blocks, ``block_q`` rows) take it when no row of the call sees more
+# than MAX_PROMPT_KEYS keys, else XLA's batched dots (``dispatch.paged_attention`` picks at run
+# time): the kernel walks keys row by row, which costs 0.14-0.6x the XLA chunk loop on short
+# contexts and up to 1.3x on rows that see 700-2 500 keys (docs/benchmarks.md, "Prompt blocks
+# through the native kernel").
 MAX_BLOCK_Q = 8
+MAX_PROMPT_KEYS = 512
 POOL_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn))
 QUERY_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",

@@ -5,7 +5,8 @@ step. ``"auto"`` resolves to the fastest implementation available on the default
 Pallas ragged kernel on GPU, JAX's TPU ragged kernel on TPU (float pools; ``"tpu"``, through
 :mod:`pallas_kernels.tpu_attention`, which the model calls itself), the native kernel of
 :mod:`pallas_kernels.cpu_attention` on CPU (``"cpu"``: decode rows and speculative groups; prompt
-blocks keep the chunked XLA path), the chunked XLA path where none of these applies.
+blocks too when their rows see few keys, a choice made at run time, else the chunked XLA path),
+the chunked XLA path where none of these applies.
 ``"pallas_interpret"`` runs the same
 Pallas kernel in interpret mode (any backend, slow): it is how CPU tests exercise the GPU kernel.
 """
@@ -146,23 +147,33 @@ def paged_attention(
             v_scales=v_scales,
         )
         return out.reshape(n, bq, h, d)
-    if impl == "cpu" and q.shape[1] <= cpu_attention.MAX_BLOCK_Q:
-        fn = cpu_attention.cpu_paged_attention
-    else:  # prompt blocks under "cpu" keep XLA's batched dots
-        fn = {
-            "reference": paged_attention_reference,
-            "xla": paged_attention_xla,
-            "cpu": paged_attention_xla,
-        }[impl]
-    return fn(
-        q,
-        k_pages,
-        v_pages,
-        block_tables,
-        q_positions,
-        sliding_window=sliding_window,
-        scale=scale,
-        soft_cap=soft_cap,
-        k_scales=k_scales,
-        v_scales=v_scales,
+    options = dict(sliding_window=sliding_window, scale=scale, soft_cap=soft_cap,
+                   k_scales=k_scales, v_scales=v_scales)  # fmt: skip
+    if impl == "cpu" and q.shape[1] > cpu_attention.MAX_BLOCK_Q:
+        return _cpu_prompt_blocks(q, k_pages, v_pages, block_tables, q_positions, options)
+    fn = {
+        "reference": paged_attention_reference,
+        "xla": paged_attention_xla,
+        "cpu": cpu_attention.cpu_paged_attention,
+    }[impl]
+    return fn(q, k_pages, v_pages, block_tables, q_positions, **options)
+
+
+def prompt_keys(q_positions: Int[Array, "n bq"], sliding_window: int | None) -> Int[Array, ""]:
+    """The most keys any row of the call reads: its last position + 1, at most the window."""
+    keys = jnp.max(q_positions) + 1
+    return keys if sliding_window is None else jnp.minimum(keys, sliding_window)
+
+
+def _cpu_prompt_blocks(q, k_pages, v_pages, block_tables, q_positions, options: dict):
+    """Prompt blocks on CPU: the native kernel when no row sees more than
+    ``cpu_attention.MAX_PROMPT_KEYS`` keys, else XLA's chunked batched dots; both are compiled
+    into the program and the step's positions pick one (no recompile)."""
+    short = prompt_keys(q_positions, options["sliding_window"]) <= cpu_attention.MAX_PROMPT_KEYS
+    args = (q, k_pages, v_pages, block_tables, q_positions)
+    return jax.lax.cond(
+        short,
+        lambda a: cpu_attention.cpu_paged_attention(*a, **options),
+        lambda a: paged_attention_xla(*a, **options),
+        args,
     )

@@ -15,7 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_attention, paged_attention, paged_attention_reference, resolve_impl
+from pallas_kernels import (
+    cpu_attention,
+    dispatch,
+    paged_attention,
+    paged_attention_reference,
+    resolve_impl,
+)
 from pallas_kernels.kv_quant import quantize
 from tests.test_paged_attention import dense_oracle, make_case
 
@@ -30,6 +36,7 @@ CASES = [
     dict(n=2, bq=1, h=4, kvh=2, d=128, page_size=16, num_pages=12, max_pages=4),
     dict(n=2, bq=3, h=2, kvh=1, d=256, page_size=4, num_pages=20, max_pages=5),
     dict(n=3, bq=2, h=4, kvh=2, d=24, page_size=4, num_pages=30, max_pages=6),  # generic size
+    dict(n=4, bq=16, h=9, kvh=3, d=64, page_size=16, num_pages=64, max_pages=5),  # prompt blocks
 ]
 
 
@@ -112,21 +119,33 @@ def test_errors_name_the_bad_value():
         cpu_attention.cpu_paged_attention(q, pool8, pool8, tables, pos)
 
 
-def test_dispatch_routes_small_blocks_to_the_kernel_and_prompt_blocks_to_xla():
+def test_dispatch_routes_small_blocks_to_the_kernel_and_prompt_blocks_by_their_keys():
+    """Small blocks always take the kernel; prompt blocks take it while no row sees more than
+    MAX_PROMPT_KEYS keys and XLA's chunked dots beyond, a choice made at run time: one program,
+    both branches in it, each checked against the reference (the long case's rows see up to
+    MAX_PROMPT_KEYS + 64 keys)."""
     assert resolve_impl("auto") == (
         "cpu" if jax.default_backend() == "cpu" else resolve_impl("auto")
     )
     rng = np.random.RandomState(2)
-    for bq in (1, cpu_attention.MAX_BLOCK_Q, 16):
+    limit = cpu_attention.MAX_PROMPT_KEYS
+    for bq, max_pages in ((1, 5), (cpu_attention.MAX_BLOCK_Q, 5), (16, 5), (16, limit // 8 + 8)):
         q, kp, vp, tables, pos, *_ = make_case(
-            rng, n=3, bq=bq, h=4, kvh=2, d=32, page_size=8, num_pages=40, max_pages=5
-        )
+            rng, n=3, bq=bq, h=4, kvh=2, d=32, page_size=8, num_pages=3 * max_pages + 8,
+            max_pages=max_pages,
+        )  # fmt: skip
+        if max_pages > 5:  # the long case: block 0's rows see past the limit
+            pos[0] = np.arange(limit + 64 - bq, limit + 64)
         args = [jnp.asarray(x) for x in (q, kp, vp, tables, pos)]
         fn = jax.jit(lambda *a: paged_attention(*a, impl="cpu"))
         hlo = fn.lower(*args).as_text()
-        assert (cpu_attention.TARGET in hlo) == (bq <= cpu_attention.MAX_BLOCK_Q), bq
+        assert cpu_attention.TARGET in hlo, bq
+        assert ("stablehlo.case" in hlo) == (bq > cpu_attention.MAX_BLOCK_Q), bq  # the choice
         want = paged_attention_reference(*args)
         np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(want), atol=2e-5)
+    keys = np.asarray([[limit - 1, -1], [3, 4]])  # positions: the last row sees `limit` keys
+    assert int(dispatch.prompt_keys(jnp.asarray(keys), None)) == limit
+    assert int(dispatch.prompt_keys(jnp.asarray(keys), 7)) == 7
 
 
 def test_switch_off_falls_back_to_xla_and_explicit_cpu_names_why():
