@@ -43,8 +43,8 @@ SOURCE = Path(__file__).with_name("cpu_attention.cc")
 # k + 1). Larger blocks (prompt blocks, ``block_q`` rows) take it when no row of the call sees more
 # than MAX_PROMPT_KEYS keys, else XLA's batched dots (``dispatch.paged_attention`` picks at run
 # time): the kernel walks keys row by row, which costs 0.14-0.6x the XLA chunk loop on short
-# contexts and up to 1.3x on rows that see 700-2 500 keys (docs/benchmarks.md, "Prompt blocks
-# through the native kernel").
+# contexts and up to 1.3x on rows that see 700-2 500 keys (docs/benchmarks.md, "Step kinds vs
+# vLLM; prompt blocks through the native attention kernel").
 MAX_BLOCK_Q = 8
 MAX_PROMPT_KEYS = 512
 POOL_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn))

@@ -45,7 +45,8 @@ class EngineConfig:
         elsewhere), "xla", "reference", "pallas", "pallas_interpret" (the kernel in Pallas
         interpret mode: CPU tests), "tpu" (JAX's TPU kernel; the pool is stored in its layout,
         see ``pallas_kernels.tpu_layout``) or "cpu" (``pallas_kernels.cpu_attention``: a C++
-        kernel built on first use; decode and speculative rows, prompt blocks stay on XLA).
+        kernel built on first use; decode and speculative rows, and prompt blocks whose rows
+        see at most ``cpu_attention.MAX_PROMPT_KEYS`` keys; longer prompt contexts use XLA).
     kv_cache_dtype: what the KV pool stores: "auto" (the model dtype), "int8" or "fp8_e4m3"
         (8-bit entries plus one bfloat16 scale per token and KV head: ~1.9x the tokens of a
         bfloat16 pool in the same bytes; see ``pallas_kernels.kv_quant``).
