@@ -134,15 +134,19 @@ def test_dispatch_routes_small_blocks_to_the_kernel_and_prompt_blocks_by_their_k
             rng, n=3, bq=bq, h=4, kvh=2, d=32, page_size=8, num_pages=3 * max_pages + 8,
             max_pages=max_pages,
         )  # fmt: skip
-        if max_pages > 5:  # the long case: block 0's rows see past the limit
+        if max_pages > 5:  # the long case: block 0's rows see past the limit, all finite keys
             pos[0] = np.arange(limit + 64 - bq, limit + 64)
+            for pool in (kp, vp):
+                pages = pool[tables[0]]
+                pool[tables[0]] = np.where(np.isnan(pages), rng.randn(*pages.shape), pages)
         args = [jnp.asarray(x) for x in (q, kp, vp, tables, pos)]
         fn = jax.jit(lambda *a: paged_attention(*a, impl="cpu"))
         hlo = fn.lower(*args).as_text()
         assert cpu_attention.TARGET in hlo, bq
         assert ("stablehlo.case" in hlo) == (bq > cpu_attention.MAX_BLOCK_Q), bq  # the choice
-        want = paged_attention_reference(*args)
-        np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(want), atol=2e-5)
+        want, got = paged_attention_reference(*args), np.asarray(fn(*args))
+        assert np.isfinite(got).all(), bq
+        np.testing.assert_allclose(got, np.asarray(want), atol=2e-5)
     keys = np.asarray([[limit - 1, -1], [3, 4]])  # positions: the last row sees `limit` keys
     assert int(dispatch.prompt_keys(jnp.asarray(keys), None)) == limit
     assert int(dispatch.prompt_keys(jnp.asarray(keys), 7)) == 7
