@@ -26,6 +26,7 @@ Writes ``OUT.json`` and ``OUT.png``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -96,6 +97,29 @@ class Worker:
             self.proc.stdin.write("quit\n")
             self.proc.stdin.flush()
             self.proc.wait(120)
+
+
+@contextlib.contextmanager
+def started_workers(engines, model: str, work: dict, work_file: Path, slots: int, vllm_python: str):
+    """One loaded, warmed-up :class:`Worker` per engine over the workloads ``work`` (written to
+    ``work_file`` for them); on exit closes them and removes the file."""
+    work_file.write_text(json.dumps(work))
+    workers: list[Worker] = []
+    try:
+        for e in engines:
+            python = vllm_python if e == "vllm" else sys.executable
+            workers.append(Worker(e, python, model, work_file, slots))
+            print(f"{LABELS[e]}: loaded and warmed up in {workers[-1].ready_s:.1f} s", flush=True)
+        yield workers
+    finally:
+        for w in workers:
+            w.close()
+        work_file.unlink(missing_ok=True)
+
+
+def rep_order(workers: list[Worker], rep: int) -> list[Worker]:
+    """Repetition ``rep``'s engine order, reversed every other one: A B C, C B A, A B C, ..."""
+    return workers if rep % 2 == 0 else workers[::-1]
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -175,28 +199,18 @@ def main() -> None:
     vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
     all_work = make_workloads(vocab, args.seed)
     names = args.workloads.split(",")
+    work = {n: all_work[n] for n in names}
     work_file = Path(args.out).with_suffix(".workload.json")
-    work_file.write_text(json.dumps({n: all_work[n] for n in names}))
-
-    workers = []
-    try:
-        for e in engines:
-            python = args.vllm_python if e == "vllm" else sys.executable
-            workers.append(Worker(e, python, args.model, work_file, args.slots))
-            print(f"{LABELS[e]}: loaded and warmed up in {workers[-1].ready_s:.1f} s", flush=True)
-        runs = {n: {e: [] for e in engines} for n in names}
-        for rep in range(args.reps):  # interleaved: A B C, C B A, A B C, ...
+    runs = {n: {e: [] for e in engines} for n in names}
+    with started_workers(engines, args.model, work, work_file, args.slots, args.vllm_python) as ws:
+        for rep in range(args.reps):
             for n in names:
-                for w in workers if rep % 2 == 0 else workers[::-1]:
+                for w in rep_order(ws, rep):
                     time.sleep(1.0)  # let the previous engine's thread pool go idle
                     r = w.run(n)
                     runs[n][w.engine].append(r)
                     rate = r["output_tokens"] / r["wall_s"]
                     print(f"rep {rep} {n:<9} {w.engine:<14} {rate:8.0f} out tok/s", flush=True)
-    finally:
-        for w in workers:
-            w.close()
-        work_file.unlink(missing_ok=True)
     results = {n: {e: summarize(runs[n][e]) for e in engines} for n in names}
     print_table(results, engines)
     meta = {

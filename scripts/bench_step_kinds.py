@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_offline import LABELS, Worker
+from bench_offline import LABELS, rep_order, started_workers
 from bench_shapes import SHAPES, checkpoint_for
 
 DECODE_ROWS = (1, 2, 4, 8, 16, 32)
@@ -114,24 +114,14 @@ def main() -> None:
     vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
     work = make_workloads(vocab, args.seed)
     work_file = Path(args.out).with_suffix(".workload.json")
-    work_file.write_text(json.dumps(work))
     per_rep: dict[str, list[dict[str, float]]] = {e: [] for e in engines}
-    workers = []
-    try:
-        for e in engines:
-            python = args.vllm_python if e == "vllm" else sys.executable
-            workers.append(Worker(e, python, args.model, work_file, 32))
-            print(f"{LABELS[e]}: loaded and warmed up in {workers[-1].ready_s:.1f} s", flush=True)
+    with started_workers(engines, args.model, work, work_file, 32, args.vllm_python) as workers:
         for rep in range(args.reps):
-            for w in workers if rep % 2 == 0 else workers[::-1]:
+            for w in rep_order(workers, rep):
                 time.sleep(1.0)
                 wall = {name: w.run(name)["wall_s"] for name in work}
                 per_rep[w.engine].append(step_costs(wall))
                 print(f"rep {rep} {w.engine}: {json.dumps(per_rep[w.engine][-1])}", flush=True)
-    finally:
-        for w in workers:
-            w.close()
-        work_file.unlink(missing_ok=True)
     kinds = list(per_rep["jbatch"][0])
     table = {k: {e: float(np.median([r[k] for r in per_rep[e]])) for e in engines} for k in kinds}
     peer = engines[1]
