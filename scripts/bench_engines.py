@@ -171,12 +171,13 @@ class VLLMRunner:
 
 
 def make_runner(engine: str, model: str, slots: int, max_len: int):
-    if engine in ("jbatch", "jbatch_static"):
+    if engine in ("jbatch", "jbatch_static", "jbatch_mmap"):  # _mmap: its environment differs
         return JbatchRunner(model, slots, max_len, static=engine == "jbatch_static")
     if engine.startswith("jbatch_blocks"):  # jbatch_blocksN: blocks of N decode steps
         n = int(engine.removeprefix("jbatch_blocks"))
         return JbatchRunner(model, slots, max_len, static=False, decode_steps=n)
     runners = {"hf_static": HFStaticRunner, "hf_continuous": HFContinuousRunner, "vllm": VLLMRunner}
+    runners["vllm_heap"] = VLLMRunner  # its environment differs (bench_offline.ENGINE_ENV)
     if engine not in runners:
         raise ValueError(f"unknown engine {engine!r}")
     return runners[engine](model, slots, max_len)
@@ -199,9 +200,9 @@ def main() -> None:
         if len(words) != 2 or words[0] != "run":
             break
         prompts, out_lens = workloads[words[1]]["prompts"], workloads[words[1]]["out_lens"]
-        t = time.perf_counter()
+        t, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         got = runner.run(prompts, out_lens)
-        wall = time.perf_counter() - t
+        wall, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
         if got != out_lens:
             bad = [(i, g, n) for i, (g, n) in enumerate(zip(got, out_lens)) if g != n][:5]
             raise RuntimeError(
@@ -212,6 +213,9 @@ def main() -> None:
             "output_tokens": sum(got),
             "prompt_tokens": sum(map(len, prompts)),
             "peak_rss_mb": _peak_rss_mb(),
+            # The run's minor page faults and kernel CPU time (jbatch/engine/host_memory.py).
+            "minor_faults": after.ru_minflt - usage.ru_minflt,
+            "sys_s": after.ru_stime - usage.ru_stime,
         }
         print(json.dumps(result), flush=True)
 

@@ -47,9 +47,18 @@ LABELS = {
     "jbatch_blocks8": "jbatch decode_steps=8",
     "jbatch_blocks16": "jbatch decode_steps=16",
     "jbatch_static": "jbatch static",
+    "jbatch_mmap": "jbatch, pages not kept",
     "hf_static": "HF generate (static)",
     "hf_continuous": "HF generate_batch (CB)",
     "vllm": "vLLM CPU 0.32",
+    "vllm_heap": "vLLM CPU 0.32, heap kept",
+}
+# Extra environment of the variants (not in the default ENGINES): jbatch with its host-memory
+# options off (jbatch/engine/host_memory.py), and vLLM given the same glibc options by their
+# environment variables (vLLM's CPU docs suggest preloading tcmalloc for the same reason).
+ENGINE_ENV = {
+    "jbatch_mmap": {"JBATCH_KEEP_HOST_PAGES": "0"},
+    "vllm_heap": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 30)},
 }
 
 
@@ -72,6 +81,7 @@ class Worker:
     def __init__(self, engine: str, python: str, model: str, work: Path, slots: int):
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_CPU_KVCACHE_SPACE": "2"}
         env["TOKENIZERS_PARALLELISM"] = "false"
+        env.update(ENGINE_ENV.get(engine, {}))
         cmd = [python, str(HERE / "bench_engines.py"), engine, model, str(work), str(slots)]
         self.engine = engine
         self.proc = subprocess.Popen(
@@ -107,7 +117,7 @@ def started_workers(engines, model: str, work: dict, work_file: Path, slots: int
     workers: list[Worker] = []
     try:
         for e in engines:
-            python = vllm_python if e == "vllm" else sys.executable
+            python = vllm_python if e.startswith("vllm") else sys.executable
             workers.append(Worker(e, python, model, work_file, slots))
             print(f"{LABELS[e]}: loaded and warmed up in {workers[-1].ready_s:.1f} s", flush=True)
         yield workers
@@ -130,6 +140,8 @@ def summarize(runs: list[dict]) -> dict:
         "output_tok_per_s": out / wall,
         "total_tok_per_s": (out + prompt) / wall,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+        "minor_faults": float(np.median([r.get("minor_faults", 0) for r in runs])),
+        "sys_s": float(np.median([r.get("sys_s", 0) for r in runs])),
         "walls": [r["wall_s"] for r in runs],
     }
 
@@ -140,14 +152,14 @@ def print_table(results: dict, engines: list[str]) -> None:
         print(f"\n{name}: median of {len(per_engine['jbatch']['walls'])} interleaved runs")
         print(
             f"{'engine':<24} {'out tok/s':>10} {'total tok/s':>12} {'wall s':>8} "
-            f"{'peak RSS MB':>12} {'jbatch/x':>9}"
+            f"{'peak RSS MB':>12} {'page faults':>12} {'sys s':>6} {'jbatch/x':>9}"
         )
         for e in engines:
             r = per_engine[e]
             print(
                 f"{LABELS[e]:<24} {r['output_tok_per_s']:>10.0f} {r['total_tok_per_s']:>12.0f} "
-                f"{r['wall_s']:>8.2f} {r['peak_rss_mb']:>12.0f} "
-                f"{jb / r['output_tok_per_s']:>8.2f}x"
+                f"{r['wall_s']:>8.2f} {r['peak_rss_mb']:>12.0f} {r['minor_faults']:>12.0f} "
+                f"{r['sys_s']:>6.2f} {jb / r['output_tok_per_s']:>8.2f}x"
             )
         if "vllm" in per_engine:  # the spread behind the medians: repetition i vs vLLM's i-th
             peer = per_engine["vllm"]["walls"]

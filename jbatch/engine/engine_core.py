@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Int32
 
-from jbatch.engine import buckets, step_programs, swap
+from jbatch.engine import buckets, host_memory, step_programs, swap
 from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import unpack_output
 from jbatch.engine.executable_store import ExecutableStore, device_ids, digest, signature
@@ -113,6 +113,10 @@ class EngineCore:
         self.device, self.swapped_sharding = programs.device, programs.swapped_sharding
         allow_all = all_allowed(self.cfg.max_slots, self.model_cfg.vocab_size)
         self._allow_all = jax.device_put(allow_all, self.device)
+        first = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
+        self._on_cpu = first.platform == "cpu"
+        if self._on_cpu:  # every step's temporaries reuse freed pages (host_memory.py)
+            host_memory.keep_freed_pages()
 
     # ---- the engine's calls ----------------------------------------------------------------------
     def new_input(self, rows: int, decode_rows: int) -> StepInput:
@@ -291,6 +295,8 @@ class EngineCore:
         }
         devices = [self.device] if self.mesh is None else list(self.mesh.devices.flat)
         self._ready, self.warmup_programs, loaded = prepare(programs, store, devices)
+        if self._on_cpu:  # room at the heap's top for the largest program's temporaries
+            host_memory.keep_freed_pages(host_memory.FLOOR + _largest_temp(self._ready.values()))
         return loaded
 
     def _run_once(self, params: dict, state: EngineState) -> EngineState:
@@ -335,6 +341,12 @@ class _Pending:
     # A block of decode steps (``decode_block.py``) or a speculative dispatch: the steps it
     # runs at most.
     block: int = 0
+
+
+def _largest_temp(programs) -> int:
+    """The largest temporary buffer (bytes) of compiled ``programs`` (0 where XLA does not say)."""
+    sizes = [getattr(p.memory_analysis(), "temp_size_in_bytes", 0) for p in programs]
+    return max(sizes, default=0)
 
 
 def _key_of(inp: StepInput) -> tuple:
