@@ -171,7 +171,7 @@ class VLLMRunner:
 
 
 def make_runner(engine: str, model: str, slots: int, max_len: int):
-    if engine in ("jbatch", "jbatch_static", "jbatch_mmap"):  # _mmap: its environment differs
+    if engine in ("jbatch", "jbatch_static", "jbatch_mmap", "jbatch_eigen1"):  # env differs
         return JbatchRunner(model, slots, max_len, static=engine == "jbatch_static")
     if engine.startswith("jbatch_blocks"):  # jbatch_blocksN: blocks of N decode steps
         n = int(engine.removeprefix("jbatch_blocks"))

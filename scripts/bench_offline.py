@@ -48,16 +48,19 @@ LABELS = {
     "jbatch_blocks16": "jbatch decode_steps=16",
     "jbatch_static": "jbatch static",
     "jbatch_mmap": "jbatch, pages not kept",
+    "jbatch_eigen1": "jbatch, 1-thread Eigen",
     "hf_static": "HF generate (static)",
     "hf_continuous": "HF generate_batch (CB)",
     "vllm": "vLLM CPU 0.32",
     "vllm_heap": "vLLM CPU 0.32, heap kept",
 }
 # Extra environment of the variants (not in the default ENGINES): jbatch with its host-memory
-# options off (jbatch/engine/host_memory.py), and vLLM given the same glibc options by their
-# environment variables (vLLM's CPU docs suggest preloading tcmalloc for the same reason).
+# options off (jbatch/engine/host_memory.py), jbatch with XLA's Eigen ops on one thread, and
+# vLLM given the same glibc options by their environment variables (vLLM's CPU docs suggest
+# preloading tcmalloc for the same reason).
 ENGINE_ENV = {
     "jbatch_mmap": {"JBATCH_KEEP_HOST_PAGES": "0"},
+    "jbatch_eigen1": {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"},
     "vllm_heap": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 30)},
 }
 
