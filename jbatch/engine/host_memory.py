@@ -22,6 +22,7 @@ import ctypes
 import logging
 import os
 import platform
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ FLOOR = 64 << 20  # trim threshold at least this (glibc's own default is 128 KiB
 OPT_OUT = "JBATCH_KEEP_HOST_PAGES"
 
 _kept = 0  # the trim threshold set so far (0: not set by this module)
+_lock = threading.Lock()  # engines may be built in threads (dp replicas): raise it in order
 
 
 def _mallopt():
@@ -53,17 +55,18 @@ def keep_freed_pages(nbytes: int = 0) -> int:
     if switch == "0":
         return 0
     want = min(max(int(nbytes), FLOOR), _INT_MAX)  # mallopt takes an int
-    if want <= _kept:
-        return _kept
-    mallopt = _mallopt()
-    if mallopt is None:
-        return 0
-    if not (mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, want)):
-        log.warning("glibc mallopt refused the host-memory options; freed pages are not kept")
-        return 0
-    _kept = want
-    log.info("host memory: large allocations from the heap, %d MiB of it kept free", _kept >> 20)
-    return _kept
+    with _lock:
+        if want <= _kept:
+            return _kept
+        mallopt = _mallopt()
+        if mallopt is None:
+            return 0
+        if not (mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, want)):
+            log.warning("glibc mallopt refused the host-memory options; freed pages are not kept")
+            return 0
+        _kept = want
+    log.info("host memory: large allocations from the heap, %d MiB of it kept free", want >> 20)
+    return want
 
 
 def kept() -> int:
