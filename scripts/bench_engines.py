@@ -171,13 +171,12 @@ class VLLMRunner:
 
 
 def make_runner(engine: str, model: str, slots: int, max_len: int):
-    if engine in ("jbatch", "jbatch_static", "jbatch_mmap", "jbatch_eigen1"):  # env differs
+    if engine in ("jbatch", "jbatch_static"):
         return JbatchRunner(model, slots, max_len, static=engine == "jbatch_static")
     if engine.startswith("jbatch_blocks"):  # jbatch_blocksN: blocks of N decode steps
         n = int(engine.removeprefix("jbatch_blocks"))
         return JbatchRunner(model, slots, max_len, static=False, decode_steps=n)
     runners = {"hf_static": HFStaticRunner, "hf_continuous": HFContinuousRunner, "vllm": VLLMRunner}
-    runners["vllm_heap"] = VLLMRunner  # its environment differs (bench_offline.ENGINE_ENV)
     if engine not in runners:
         raise ValueError(f"unknown engine {engine!r}")
     return runners[engine](model, slots, max_len)

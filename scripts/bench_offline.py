@@ -54,15 +54,21 @@ LABELS = {
     "vllm": "vLLM CPU 0.32",
     "vllm_heap": "vLLM CPU 0.32, heap kept",
 }
-# Extra environment of the variants (not in the default ENGINES): jbatch with its host-memory
-# options off (jbatch/engine/host_memory.py), jbatch with XLA's Eigen ops on one thread, and
-# vLLM given the same glibc options by their environment variables (vLLM's CPU docs suggest
-# preloading tcmalloc for the same reason).
-ENGINE_ENV = {
-    "jbatch_mmap": {"JBATCH_KEEP_HOST_PAGES": "0"},
-    "jbatch_eigen1": {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"},
-    "vllm_heap": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 30)},
+# Variants (not in the default ENGINES): an engine run with extra environment, so the worker
+# (bench_engines.py) runs the base engine and only the label differs. jbatch with its
+# host-memory options off (jbatch/engine/host_memory.py), jbatch with XLA's Eigen ops on one
+# thread, and vLLM given the same glibc options by their environment variables (vLLM's CPU
+# docs suggest preloading tcmalloc for the same reason).
+VARIANTS = {
+    "jbatch_mmap": ("jbatch", {"JBATCH_KEEP_HOST_PAGES": "0"}),
+    "jbatch_eigen1": ("jbatch", {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}),
+    "vllm_heap": ("vllm", {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}),
 }
+
+
+def base_engine(engine: str) -> str:
+    """The engine a worker runs for ``engine`` (itself, or a variant's base)."""
+    return VARIANTS.get(engine, (engine, {}))[0]
 
 
 def make_workloads(vocab: int, seed: int) -> dict[str, dict]:
@@ -84,8 +90,9 @@ class Worker:
     def __init__(self, engine: str, python: str, model: str, work: Path, slots: int):
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_CPU_KVCACHE_SPACE": "2"}
         env["TOKENIZERS_PARALLELISM"] = "false"
-        env.update(ENGINE_ENV.get(engine, {}))
-        cmd = [python, str(HERE / "bench_engines.py"), engine, model, str(work), str(slots)]
+        base, extra = VARIANTS.get(engine, (engine, {}))
+        env.update(extra)
+        cmd = [python, str(HERE / "bench_engines.py"), base, model, str(work), str(slots)]
         self.engine = engine
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
@@ -120,7 +127,7 @@ def started_workers(engines, model: str, work: dict, work_file: Path, slots: int
     workers: list[Worker] = []
     try:
         for e in engines:
-            python = vllm_python if e.startswith("vllm") else sys.executable
+            python = vllm_python if base_engine(e) == "vllm" else sys.executable
             workers.append(Worker(e, python, model, work_file, slots))
             print(f"{LABELS[e]}: loaded and warmed up in {workers[-1].ready_s:.1f} s", flush=True)
         yield workers
@@ -143,8 +150,8 @@ def summarize(runs: list[dict]) -> dict:
         "output_tok_per_s": out / wall,
         "total_tok_per_s": (out + prompt) / wall,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
-        "minor_faults": float(np.median([r.get("minor_faults", 0) for r in runs])),
-        "sys_s": float(np.median([r.get("sys_s", 0) for r in runs])),
+        "minor_faults": float(np.median([r["minor_faults"] for r in runs])),
+        "sys_s": float(np.median([r["sys_s"] for r in runs])),
         "walls": [r["wall_s"] for r in runs],
     }
 

@@ -61,15 +61,19 @@ PROBE = textwrap.dedent(
 )
 
 
-def _probe(nbytes: str, **env) -> dict:
+def _run_probe(nbytes: str, **env) -> subprocess.CompletedProcess:
     path = str(ROOT / "jbatch" / "engine" / "host_memory.py")
-    out = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", PROBE, path, nbytes],
         capture_output=True,
         text=True,
         env={**os.environ, **env},
         timeout=60,
     )
+
+
+def _probe(nbytes: str, **env) -> dict:
+    out = _run_probe(nbytes, **env)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.splitlines()[-1])
 
@@ -93,11 +97,7 @@ def test_the_threshold_follows_the_largest_request_and_only_rises():
 def test_opting_out_leaves_glibc_as_it_is_and_a_bad_switch_is_named():
     off = _probe("0", JBATCH_KEEP_HOST_PAGES="0")
     assert off["kept"] == 0 and off["mapped"] >= 40 << 20
-    path = str(ROOT / "jbatch" / "engine" / "host_memory.py")
-    env = {**os.environ, "JBATCH_KEEP_HOST_PAGES": "yes"}
-    bad = subprocess.run(
-        [sys.executable, "-c", PROBE, path, "0"], capture_output=True, text=True, env=env
-    )
+    bad = _run_probe("0", JBATCH_KEEP_HOST_PAGES="yes")
     assert bad.returncode != 0 and "JBATCH_KEEP_HOST_PAGES must be 0 or 1, got 'yes'" in bad.stderr
 
 

@@ -113,7 +113,7 @@ class EngineCore:
         self.device, self.swapped_sharding = programs.device, programs.swapped_sharding
         allow_all = all_allowed(self.cfg.max_slots, self.model_cfg.vocab_size)
         self._allow_all = jax.device_put(allow_all, self.device)
-        first = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
+        first = self.device if self.mesh is None else self.mesh.devices.flat[0]
         self._on_cpu = first.platform == "cpu"
         if self._on_cpu:  # every step's temporaries reuse freed pages (host_memory.py)
             host_memory.keep_freed_pages()
