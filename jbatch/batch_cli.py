@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from jbatch import cli
+from jbatch import cli, compile_cache
 
 
 def add_batch_parser(sub) -> None:
@@ -33,6 +33,7 @@ def add_batch_parser(sub) -> None:
     bat.add_argument("--window", type=int, default=None, help="requests in the engine at once "
                      "(default: 2 x --max-slots)")  # fmt: skip
     bat.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    compile_cache.add_flag(bat)
     cli._add_engine_flags(bat)
     cli._add_distributed_flags(bat)
 
@@ -47,13 +48,15 @@ def run_batch_command(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{flag} {path}: no such file")
     if not Path(args.output).resolve().parent.is_dir():
         raise FileNotFoundError(f"--output {args.output}: its folder does not exist")
+    cache = compile_cache.for_cli(args.compilation_cache)  # a resumed job starts in seconds
     t0 = time.perf_counter()
     engine = LLM(model, **cli._engine_kwargs(args)).engine
     if args.chat_template is not None:
         if engine.tokenizer is None:
             raise ValueError(f"--chat-template: the model at {model} has no tokenizer")
         engine.tokenizer.chat_template = Path(args.chat_template).read_text()
-    print(f"[jbatch] engine ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    ready = f"[jbatch] engine ready in {time.perf_counter() - t0:.1f}s"
+    print(f"{ready}{cli.warmup_summary(engine, cache)}", file=sys.stderr)
     job = BatchJob(
         engine, args.input, args.output, window=args.window, progress=not args.no_progress,
         model_name=args.served_model_name or Path(model).resolve().name,

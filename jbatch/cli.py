@@ -13,7 +13,9 @@ import dataclasses
 import os
 import sys
 import time
+from pathlib import Path
 
+from jbatch import compile_cache
 from jbatch.engine.config import SPECULATIVE_DECODE_STEPS, EngineConfig
 from jbatch.engine.tenants import load_tenant_weights
 from jbatch.sampling_params import SamplingParams
@@ -136,6 +138,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--model", help="local Hugging Face checkpoint folder (default: the built-in demo model)"
     )
     gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    compile_cache.add_flag(gen)
     _add_sampling_flags(gen)
     _add_engine_flags(gen)
     _add_distributed_flags(gen)
@@ -188,11 +191,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "calls in chat output: hermes (<tool_call>...</tool_call>), llama3_json, none (never "
         "parse); auto (default): from the chat template, else hermes"
     )  # fmt: skip
-    srv.add_argument(
-        "--compilation-cache", default=None, metavar="DIR|off", help="persistent XLA "
-        "compilation cache and executable store (default: $JBATCH_COMPILATION_CACHE, else "
-        "~/.cache/jbatch/xla)"
-    )  # fmt: skip
+    compile_cache.add_flag(srv)
     srv.add_argument(
         "--decode-peers", default=None, metavar="HOST:PORT,...", help="with --role prefill: "
         "the gRPC addresses of the --role decode servers requests are handed over to"
@@ -224,9 +223,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from jbatch import LLM, compile_cache
+    from jbatch import LLM
     from serving.server import ServeConfig, serve
 
     if args.max_queue < 1:
@@ -246,10 +243,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if not Path(args.model).is_dir():
         raise FileNotFoundError(f"--model {args.model}: no such folder")
-    if args.compilation_cache is not None:
-        compile_cache.enable(args.compilation_cache)
-    else:
-        compile_cache.from_env(compile_cache.default_dir())
+    compile_cache.for_cli(args.compilation_cache)
     peers = [p for p in (args.decode_peers or "").split(",") if p]
     if peers and args.role != "prefill":
         raise ValueError(f"--decode-peers needs --role prefill, got --role {args.role}")
@@ -343,9 +337,11 @@ def _generate(args: argparse.Namespace) -> int:
     from jbatch import LLM
 
     params = _sampling_params(args)
+    cache = compile_cache.for_cli(args.compilation_cache)
     t0 = time.perf_counter()
     llm = LLM(_model_dir(args.model), **_engine_kwargs(args))
-    print(f"[jbatch] engine ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    ready = f"[jbatch] engine ready in {time.perf_counter() - t0:.1f}s"
+    print(f"{ready}{warmup_summary(llm.engine, cache)}", file=sys.stderr)
     t0 = time.perf_counter()
     if args.stream:
         tokens = 0
@@ -365,6 +361,16 @@ def _generate(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     print(f"[jbatch] {tokens} tokens in {dt:.2f}s ({tokens / dt:.0f} tok/s)", file=sys.stderr)
     return 0
+
+
+def warmup_summary(engine, cache: Path | None) -> str:
+    """What warm-up did with the step programs, e.g. `` (step programs: 0 compiled, 17 loaded;
+    cache DIR)``; empty for an engine without one core (the data-parallel router)."""
+    programs = getattr(getattr(engine, "core", None), "warmup_programs", None)
+    if not programs:
+        return ""
+    done = f"{programs['compiled']} compiled, {programs['loaded']} loaded"
+    return f" (step programs: {done}; {'cache ' + str(cache) if cache else 'no cache'})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,3 +64,32 @@ def test_entries_of_an_unbounded_cache_are_dated_so_jax_can_evict(
     assert compile_cache.date_entries(tmp_path) == 0  # once
     LRUCache(str(tmp_path), max_size=120).put("new", b"y" * 50)
     assert (tmp_path / "new-cache").exists() and not (tmp_path / "old-cache").exists()
+
+
+def test_commands_cache_by_default_unless_told(
+    monkeypatch, tmp_path, caplog, restore_jax_cache_config
+):
+    """``jbatch generate / serve / batch``: the flag, else the variable, else the default
+    directory; a directory the user named that cannot be made is an error naming it, the
+    default one only turns the cache off (a read-only home must not stop the demo)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(compile_cache.ENV)
+    assert compile_cache.for_cli(None) == tmp_path / "xdg" / "jbatch" / "xla"
+    assert compile_cache.for_cli(str(tmp_path / "flag")) == tmp_path / "flag"
+    assert compile_cache.for_cli("off") is None
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "env"))
+    assert compile_cache.for_cli(None) == tmp_path / "env"
+    assert compile_cache.for_cli(str(tmp_path / "flag")) == tmp_path / "flag"  # the flag wins
+    monkeypatch.setenv(compile_cache.ENV, "off")
+    assert compile_cache.for_cli(None) is None
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"--compilation-cache .*a_file/x: cannot use it"):
+        compile_cache.for_cli(str(tmp_path / "a_file" / "x"))
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "a_file" / "y"))
+    with pytest.raises(ValueError, match=rf"{compile_cache.ENV} .*a_file/y: cannot use it"):
+        compile_cache.for_cli(None)
+    monkeypatch.delenv(compile_cache.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a_file"))  # no home to write into
+    with caplog.at_level("WARNING", logger="jbatch.compile_cache"):
+        assert compile_cache.for_cli(None) is None
+    assert "compilation cache off: cannot create" in caplog.text

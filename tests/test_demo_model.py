@@ -3,6 +3,7 @@ it when --model is not given."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -43,26 +44,27 @@ def test_transformers_greedy_equals_jbatch():
         assert out.outputs[0].token_ids == hf
 
 
-def test_cli_generate_uses_the_demo_model():
+def test_cli_generate_uses_the_demo_model_and_caches_its_programs(tmp_path):
+    """The README's demo command; run twice with a compilation cache, the second start loads
+    every step program the first one compiled."""
+    cache = tmp_path / "xla"
+
+    def generate() -> subprocess.CompletedProcess:
+        args = ["--max-tokens", "16", "--max-num-batched-tokens", "64", "--max-seq-len", "256"]
+        return subprocess.run(
+            [sys.executable, "-m", "jbatch.cli", "generate", *args, "def main():",
+             "--compilation-cache", str(cache)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
     t0 = time.time()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jbatch.cli",
-            "generate",
-            "--max-tokens",
-            "16",
-            "--max-num-batched-tokens",
-            "64",
-            "--max-seq-len",
-            "256",
-            "def main():",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "def main():" in proc.stdout and "16 tokens" in proc.stdout
+    first = generate()
+    assert first.returncode == 0, first.stderr
+    assert "def main():" in first.stdout and "16 tokens" in first.stdout
     assert time.time() - t0 < 120
+    compiled = re.search(r"step programs: (\d+) compiled, 0 loaded; cache (\S+)\)", first.stderr)
+    assert compiled and compiled[2] == str(cache), first.stderr
+    second = generate()
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout  # greedy: the loaded programs give the same text
+    assert f"step programs: 0 compiled, {compiled[1]} loaded; cache {cache})" in second.stderr
