@@ -15,8 +15,8 @@ executable store in its ``jbatch-executables`` subdirectory
 * ``LLM(...)`` (a library: it writes nowhere unasked): on only when ``JBATCH_COMPILATION_CACHE``
   names a directory. JAX's cache is process-wide: turned on by a library, it would also cache
   the caller's own jitted programs, which a command's process does not have.
-* ``JBATCH_COMPILATION_CACHE`` (a directory, or ``off``) overrides the commands' default too; the test
-  suite sets it to ``off`` so CI never writes into a home directory.
+* ``JBATCH_COMPILATION_CACHE`` (a directory, or ``off``) overrides the commands' default too;
+  the test suite sets it to ``off`` so CI never writes into a home directory.
 * Size: JAX's cache and the executable store each keep at most ``DEFAULT_MAX_BYTES`` (2 GiB),
   evicting the least recently used entries: each jbatch or jax upgrade, config or bucket change
   adds programs, and a server that runs for months must not fill its disk. JAX's own setting
