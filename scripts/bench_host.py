@@ -74,6 +74,7 @@ def demo_host_time(llm: LLM, requests: int, seed: int) -> dict:
         "host_share_of_step": host / wall,
         "dispatch_ms_per_step": 1e3 * dispatch / steps,
         "dispatches_per_step": (after.dispatches - before.dispatches) / steps,
+        "admission_blocks": after.admission_blocks - before.admission_blocks,
         "tok_per_s": int(lens.sum()) / wall,
     }
 

@@ -31,11 +31,14 @@ def prompts(n: int, seed: int, vocab: int = 384) -> list[list[int]]:
     return [rng.randint(3, vocab, int(rng.randint(2, 20))).tolist() for _ in range(n)]
 
 
-def assert_blocks_ran(llm: LLM, before) -> None:
-    """Most model steps since ``before`` ran in blocks (fewer dispatches than steps)."""
+def assert_blocks_ran(llm: LLM, before, admissions: bool = False) -> None:
+    """Most model steps since ``before`` ran in blocks (fewer dispatches than steps); with
+    ``admissions``, some of them steps that admitted prompts and ran on (admission blocks)."""
     stats = llm.engine.stats()
     steps, dispatches = stats.steps - before.steps, stats.dispatches - before.dispatches
     assert dispatches < 0.7 * steps, f"{dispatches} dispatches for {steps} steps: few blocks"
+    if admissions:
+        assert stats.admission_blocks > before.admission_blocks, "no admission block ran"
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +65,16 @@ def test_greedy_blocks_are_hfs_under_swap_and_prefix_cache(engines):
         assert_teacher_forced(model, prompt, out.outputs[0].token_ids)
     stats = llm.engine.stats()
     assert stats.swap_outs > before.swap_outs and stats.prefix_cache_hits > 0
-    assert_blocks_ran(llm, before)
+    assert_blocks_ran(llm, before, admissions=True)
     assert_drained(llm)
 
 
 def test_every_kind_of_request_gets_the_tokens_of_step_by_step(engines):
-    """Greedy, seeded sampled, penalised, logprob, EOS-stopped and stop-id requests side by
-    side: the same tokens (and texts, logprobs) with blocks as without."""
+    """Greedy, seeded sampled, penalised, logprob, prompt-logprob, EOS-stopped and stop-id
+    requests side by side, more than the slots (admission blocks start the later ones): the
+    same tokens (and texts, logprobs) with blocks as without."""
     blocks, steps, _ = engines
-    batch = prompts(8, seed=7)
+    batch = prompts(9, seed=7)
     base = SamplingParams(max_tokens=30, ignore_eos=True)
     params = [
         base.replace(temperature=0.0),
@@ -81,12 +85,13 @@ def test_every_kind_of_request_gets_the_tokens_of_step_by_step(engines):
         base.replace(temperature=0.7, top_p=0.9, seed=3, ignore_eos=False),
         base.replace(temperature=0.9, seed=4, repetition_penalty=1.3),
         base.replace(temperature=0.0, stop_token_ids=[7, 11, 13]),
+        base.replace(temperature=0.5, seed=5, prompt_logprobs=3, presence_penalty=0.4),
     ]
     before = blocks.engine.stats()
     with count_compiles() as compiled:
         got = blocks.generate(batch, params, use_tqdm=False)
     assert compiled == [], f"compiled after warm-up: {compiled}"
-    assert_blocks_ran(blocks, before)
+    assert_blocks_ran(blocks, before, admissions=True)
     want = steps.generate(batch, params, use_tqdm=False)
     for a, b in zip(got, want):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -94,6 +99,7 @@ def test_every_kind_of_request_gets_the_tokens_of_step_by_step(engines):
         a_sum, b_sum = a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob
         np.testing.assert_allclose(a_sum, b_sum, rtol=1e-5)
     assert got[4].outputs[0].logprobs == want[4].outputs[0].logprobs
+    assert got[8].prompt_logprobs == want[8].prompt_logprobs and got[8].prompt_logprobs
     assert_drained(blocks)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jbatch import LLM, EngineConfig, LLMEngine, SamplingParams
+from jbatch.engine import buckets
 from jbatch.engine import request as request_module
 from jbatch.engine.interface import EngineClient, StepFailed
 from jbatch.engine.mock_core import MockCore, expected_tokens
@@ -301,21 +302,24 @@ def test_blocks_of_decode_steps_stream_several_tokens_per_dispatch():
 def test_a_block_runs_past_a_request_end_while_its_idle_rows_stay_in_budget():
     """With a queue, a block runs past the first request's end for as long as the idle slot
     rows stay within ``BLOCK_IDLE_STEPS`` steps' worth of slots (then the queue gets the slot):
-    2 slots, 8-step blocks, 3 tokens left for one request and 29 for the other: idle rows
-    1, 2, 3, 4 for blocks of 4..7 steps, 5 for 8 (over 2 x 2), so the block runs 7 steps."""
+    2 slots, 8-step blocks, a third request queued. The step admitting the first two runs on
+    as a block (an admission block); they can use 3 and 8 of its steps: idle rows 1, 2, 3, 4
+    for blocks of 4..7 steps, 5 for 8 (over 2 x 2), so the block runs 7 steps."""
     from jbatch.engine.multi_step_planning import BLOCK_IDLE_STEPS
 
     assert BLOCK_IDLE_STEPS == 2  # the arithmetic above
     eng = mock_engine(max_slots=2, decode_steps=8, debug_checks=True)
     prompts = [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
-    ids = [eng.add_request(p, greedy(n)) for p, n in zip(prompts, (4, 30, 5))]
-    planned = []
-    block_steps = eng.scheduler.block_steps
-    eng.scheduler.block_steps = lambda: planned.append(block_steps()) or planned[-1]
+    lengths = (3, 30, 5)
+    ids = [eng.add_request(p, greedy(n)) for p, n in zip(prompts, lengths)]
+    plans = []
+    schedule = eng.scheduler.schedule
+    eng.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
     tokens = run_all(eng)
-    for rid, p, n in zip(ids, prompts, (4, 30, 5)):
+    for rid, p, n in zip(ids, prompts, lengths):
         assert tokens[rid] == expected_tokens(p, n, 0, False, VOCAB)
-    assert next(n for n in planned if n > 1) == 7, planned
+    first = plans[0]
+    assert (len(first.chunks), first.steps, first.block_tokens) == (2, 7, [3, 7])
     assert eng.scheduler.allocator.num_used == 0
 
 
@@ -326,32 +330,33 @@ def test_a_block_that_may_hold_a_stop_lands_before_the_next_is_planned_while_req
     """2 slots, blocks of 8, a third request queued (from the start, or arriving while a
     block planned without a queue runs): A stops at its 2nd token (a stop id). Its block lands
     before the next is planned, so A is planned for one block, not two, and the queued request
-    gets A's slot after ~10 device steps instead of ~18."""
+    gets A's slot after at most 8 device steps instead of ~16."""
     eng = mock_engine(max_slots=2, decode_steps=8, num_pages=64, max_seq_len=256)
     stop = expected_tokens([5, 6, 7], 64, 0, False, VOCAB)[1]
     a = eng.add_request([5, 6, 7], greedy(64).replace(stop_token_ids=[stop]))
     eng.add_request([8, 9, 10], greedy(64))
     if arrives_mid_block:
-        eng.step()  # the prompts
-        eng.step()  # a block, planned with nothing queued
+        eng.step()  # the prompts, run on as a block planned with nothing queued
     c = eng.add_request([11, 12], greedy(4))
     A, C = eng.requests[a], eng.requests[c]
     while C.first_scheduled_step is None:
+        before = eng.counters["steps"]
         eng.step()
     assert A.output_ids == [expected_tokens([5, 6, 7], 64, 0, False, VOCAB)[0], stop]
-    assert A.num_sampled <= 1 + 8, A.num_sampled  # its first step, then one block
-    assert eng.counters["steps"] <= 1 + 8 + 1, eng.counters["steps"]
+    assert A.num_sampled <= 8, A.num_sampled  # one block
+    assert before <= 8, before  # device steps before C's admission
     run_all(eng)
     assert eng.scheduler.allocator.num_used == 0
 
 
 @pytest.mark.parametrize("queued", [True, False])
 def test_a_block_ends_on_the_device_once_a_stop_token_idles_its_slot_past_the_budget(queued):
-    """2 slots, blocks of 8, a request queued: A samples its stop id at the block's first
-    step. The device runs on while A's idle slot stays within ``BLOCK_IDLE_STEPS`` x 2 slot
-    rows (4 more steps), then ends the block; B gives back the 3 tokens planned past it and
-    gets exactly its tokens; the queued request starts 3 steps sooner than with a whole
-    block. Without a queue the same block runs its whole count."""
+    """2 slots, blocks of 8, a request queued: the step admitting A and B runs on as a block,
+    and A samples its stop id at the block's second step. The device runs on while A's idle
+    slot stays within ``BLOCK_IDLE_STEPS`` x 2 slot rows (4 more steps), then ends the block
+    after 6 steps; B gives back the 2 tokens planned past it and gets exactly its tokens; the
+    queued request starts 2 steps sooner than with a whole block. Without a queue the same
+    block runs its whole count."""
     from jbatch.engine.multi_step_planning import BLOCK_IDLE_STEPS
 
     assert BLOCK_IDLE_STEPS == 2  # the arithmetic above
@@ -359,20 +364,19 @@ def test_a_block_ends_on_the_device_once_a_stop_token_idles_its_slot_past_the_bu
     stop = expected_tokens([5, 6, 7], 64, 0, False, VOCAB)[1]
     a = eng.add_request([5, 6, 7], greedy(64).replace(stop_token_ids=[stop]))
     b = eng.add_request([8, 9, 10], greedy(30))
+    if queued:
+        c = eng.add_request([11, 12], greedy(4))
     plans = []
     schedule = eng.scheduler.schedule
     eng.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
-    outs = eng.step()  # both prompts (A's first token is read with the block)
-    if queued:
-        c = eng.add_request([11, 12], greedy(4))
-    outs += eng.step()  # the block
+    outs = eng.step()  # both prompts, and the block they run on into
     block = plans[-1]
-    assert (block.steps, block.block_tokens) == (8, [8, 8])
+    assert (len(block.chunks), block.steps, block.block_tokens) == (2, 8, [8, 8])
     assert block.idle_budget == (2 * BLOCK_IDLE_STEPS if queued else None)
-    if queued:  # the next step admits C after the prompt step and 1 + 4 block steps
+    if queued:  # the next step lands the block (6 steps) and admits C
         outs += eng.step()
         assert eng.requests[c] in plans[-1].inserts
-        assert eng.counters["steps"] == 1 + 5 + 1
+        assert eng.counters["steps"] - plans[-1].steps == 6
     tokens: dict[str, list[int]] = {}
     for out in outs:
         tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
@@ -389,20 +393,20 @@ def test_a_block_ends_on_the_device_once_a_stop_token_idles_its_slot_past_the_bu
 
 
 def test_a_block_cut_short_keeps_the_fair_queue_order():
-    """``fair`` policy, 2 slots, blocks of 8: tenant a's request stops at the block's first
-    step, so the device ends the block early and its planned tokens are given back. Tenant a
-    stays charged for them (the fair queue's counters only grow), so a request of a that
-    arrived while the block ran still has the smaller counter and is admitted first."""
+    """``fair`` policy, 2 slots, blocks of 8: tenant a's request stops at the second step of
+    the block its admission runs on into, so the device ends the block early and its planned
+    tokens are given back. Tenant a stays charged for them (the fair queue's counters only
+    grow), so a request of a that arrived while the block ran still has the smaller counter
+    and is admitted first."""
     eng = mock_engine(max_slots=2, decode_steps=8, num_pages=64, max_seq_len=256,
                       scheduling_policy="fair", debug_checks=True)  # fmt: skip
     stop = expected_tokens([40, 41, 42], 64, 0, False, VOCAB)[1]
     eng.add_request([40, 41, 42], greedy(40).replace(stop_token_ids=[stop]), tenant="a")
     eng.add_request([10, 11, 12], greedy(40), tenant="b")
-    eng.step()  # both prompts
     eng.add_request([50, 51], greedy(4), tenant="a", priority=1)
     eng.add_request([20, 21], greedy(4), tenant="b")
     eng.add_request([22, 23], greedy(4), tenant="b")
-    eng.step()  # the block
+    eng.step()  # both prompts, run on as a block
     a2 = eng.add_request([30, 31], greedy(4), tenant="a")
     plans = []
     schedule = eng.scheduler.schedule
@@ -426,8 +430,8 @@ def test_without_a_queue_a_block_ends_where_a_smaller_decode_bucket_holds_the_re
         paid, step = [], eng.core.step
 
         def counting(params, state, inp, bitmask=None):
-            rows, decode_rows = inp.layout.key
-            blocks = rows == 0 and decode_steps > 1
+            blocks = buckets.runs_blocks(eng.cfg, *inp.layout.key)
+            decode_rows = inp.layout.key[1]
             paid.append(decode_rows * (int(inp.batch.decode_steps[0]) if blocks else 1))
             return step(params, state, inp, bitmask)
 

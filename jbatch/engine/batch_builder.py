@@ -14,7 +14,9 @@ from jbatch.engine.step_input import StepInput
 def build_step_input(cfg: EngineConfig, core, sched: SchedulerOutput) -> StepInput:
     """The step's input from ``core.new_input`` (buffers holding the defaults), filled in:
     slots to release, requests to insert, decode slots, prompt-chunk rows, page writes."""
-    pair = buckets.pick_pair(cfg, sched.prompt_rows, len(sched.decodes), sched.prompt_tokens)
+    # An admission block's later steps decode its new requests too: every slot is listed.
+    decoding = cfg.max_slots if sched.chunks and sched.steps > 1 else len(sched.decodes)
+    pair = buckets.pick_pair(cfg, sched.prompt_rows, decoding, sched.prompt_tokens)
     inp = core.new_input(*pair)
     inp.release[sched.releases] = True
     for seq in sched.inserts:
@@ -75,8 +77,11 @@ def _fill_insert(cfg: EngineConfig, ins, seq: Request) -> None:
 def _fill_step(cfg: EngineConfig, batch, sched: SchedulerOutput) -> None:
     """Decode slots (compacted, padding after), prompt-chunk rows (each chunk starts a new
     ``block_q`` block, so a block never holds two sequences), page writes."""
-    decodes = sched.decodes
-    batch.decode_slots[: len(decodes)] = [seq.slot for seq in decodes]
+    if sched.steps > 1:  # a block: each request that samples (an admission's new ones too)
+        listed = [slot for _, slot in sched.samplers]
+    else:
+        listed = [seq.slot for seq in sched.decodes]
+    batch.decode_slots[: len(listed)] = listed
     bq = cfg.block_q
     for chunk, r in chunk_rows(sched.chunks, bq):
         n = len(chunk.token_ids)

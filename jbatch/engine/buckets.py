@@ -224,13 +224,13 @@ def pick_handover_bucket(cfg: EngineConfig, pages: int) -> int:
 
 
 def max_page_writes(cfg: EngineConfig) -> int:
-    """Upper bound on page-table entries one step assigns: a new page per decoding slot, plus
-    each prompt chunk's pages (a chunk may straddle one extra page boundary); a block of
-    ``decode_steps`` decode steps (``decode_block.py``) gives each slot the pages its
-    positions span at once."""
+    """Upper bound on page-table entries one step assigns: each prompt chunk's pages (a chunk
+    may straddle one extra page boundary) plus, per slot, the pages its decode positions span:
+    one for a step, and for a block of ``decode_steps`` steps (``decode_block.py``; an
+    admission block's new requests included) all of the block's at once."""
     top = prefill_buckets(cfg)[-1]
-    block = cfg.max_slots * (-(-(cfg.decode_steps - 1) // cfg.page_size) + 1)
-    return max(cfg.max_slots + top // cfg.page_size + top // cfg.block_q + 1, block)
+    per_slot = -(-(cfg.decode_steps - 1) // cfg.page_size) + 1
+    return cfg.max_slots * per_slot + top // cfg.page_size + top // cfg.block_q + 1
 
 
 # A block of decode steps checks each slot's sampled tokens against this many stop token ids
@@ -241,10 +241,23 @@ BLOCK_STOP_TOKENS = 4
 NO_EARLY_END = 2**30
 
 
-def runs_blocks(cfg: EngineConfig, rows: int) -> bool:
-    """Whether the program of ``rows`` prompt rows is a block of up to ``decode_steps`` decode
-    steps (``decode_block.py``): the decode-only programs, when ``decode_steps`` > 1."""
-    return rows == 0 and cfg.decode_steps > 1
+def admission_blocks(cfg: EngineConfig) -> bool:
+    """Whether a step that prefills prompts may run on as a block of decode steps (an
+    *admission block*, ``decode_block.py``): with ``decode_steps`` > 1 on an engine that
+    admits prompts and does not speculate (a speculating engine's next dispatch after an
+    admission is a speculative one)."""
+    return cfg.decode_steps > 1 and cfg.role == "mixed" and cfg.speculative is None
+
+
+def runs_blocks(cfg: EngineConfig, rows: int, decode_rows: int) -> bool:
+    """Whether the program of (``rows`` prompt rows, ``decode_rows`` decode rows) runs a block
+    of up to ``decode_steps`` steps (``decode_block.py``): every decode-only program when
+    ``decode_steps`` > 1, and with :func:`admission_blocks` the programs with prompt rows whose
+    decode rows list every slot (an admission block's later steps decode its new requests
+    too)."""
+    if cfg.decode_steps == 1:
+        return False
+    return rows == 0 or (admission_blocks(cfg) and decode_rows == cfg.max_slots)
 
 
 def spec_buckets(cfg: EngineConfig) -> tuple[int, ...]:

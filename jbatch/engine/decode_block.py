@@ -8,6 +8,12 @@ sampled (the state's ``tokens``), and a slot stops where its token budget stops 
 rule), so the host knows every slot's count when it plans the block
 (``Scheduler.block_steps``). The result is one ``StepOutput.packed()`` row per step.
 
+An *admission block* (:func:`admission_block`; the programs with prompt rows and every slot's
+decode row, ``buckets.runs_blocks``) is an ordinary step that prefills prompts run on as a
+block (``MultiStepPlanning.admission_block``): its first step has the prompt rows, the later
+ones are decode steps of the same slots, the newly admitted ones included, without them. Its
+result is the first step's packed row, then the decode rows: every block program's layout.
+
 A request that may stop on a token (EOS, ``stop_token_ids``) is the one thing the host cannot
 plan for. While requests queue, its block carries those ids and an idle budget (what the plan
 leaves of ``multi_step_planning.BLOCK_IDLE_STEPS`` steps' worth of slot rows): the device
@@ -23,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int32
 
-from jbatch.engine.core import SlotInsert, StepBatch, insert, release, step
+from jbatch.engine.core import SlotInsert, StepBatch, StepOutput, insert, release, step
 from jbatch.engine.state import EngineState
 
 
@@ -49,17 +55,22 @@ def decode_block(
     than ``batch.block_idle_budget[0]`` slot-steps idle: one step after a stop, each stopped
     slot idles a step per further step."""
     one = lambda st: step(params, st, batch, token_bitmask=token_bitmask, **forward_kwargs)
-    width = jax.eval_shape(lambda st: one(st)[1].packed(), state).shape[0]
     n = jnp.clip(batch.decode_steps[0], 1, max_steps)
+    stopped, idle = jnp.zeros(state.max_slots, bool), jnp.int32(0)
+    return _steps(one, state, batch, n, max_steps, stopped, idle)
+
+
+def _steps(one, state: EngineState, batch: StepBatch, n, max_steps: int, stopped, idle):
+    """Up to ``n`` calls of ``one`` (a whole decode step) in a ``lax.while_loop``, ending early
+    on stop tokens as :func:`decode_block` says; ``stopped``/``idle``: what earlier steps of
+    the block left. Returns the state and ``[max_steps, width]`` rows (zeros past the end)."""
+    width = jax.eval_shape(lambda st: one(st)[1].packed(), state).shape[0]
     budget = batch.block_idle_budget[0]
 
     def body(carry):
         i, st, rows, stopped, idle = carry
         st, out = one(st)
-        hit = (out.tokens[:, None] == batch.block_stop_tokens).any(axis=1) & out.sampled
-        hit &= st.decode_mask  # one at its planned last token: the plan counted its idle rows
-        stopped = stopped | hit
-        idle = idle + stopped.sum(dtype=jnp.int32)  # what one more step would leave idle
+        stopped, idle = _stops(batch, st, out, stopped, idle)
         rows = jax.lax.dynamic_update_slice(rows, out.packed()[None], (i, 0))
         return i + 1, st, rows, stopped, idle
 
@@ -68,10 +79,56 @@ def decode_block(
         return (i < n) & (idle <= budget)
 
     rows = jnp.zeros((max_steps, width), jnp.int32)
-    stopped = jnp.zeros(state.max_slots, bool)
-    carry = (jnp.int32(0), state, rows, stopped, jnp.int32(0))
+    carry = (jnp.int32(0), state, rows, stopped, idle)
     _, state, rows, _, _ = jax.lax.while_loop(more, body, carry)
     return state, rows
+
+
+def _stops(batch: StepBatch, st: EngineState, out: StepOutput, stopped, idle):
+    """The slots done on a stop token after a step (``out``, ``st`` after it), and the idle
+    slot-steps one more step would leave."""
+    hit = (out.tokens[:, None] == batch.block_stop_tokens).any(axis=1) & out.sampled
+    hit &= st.decode_mask  # one at its planned last token: the plan counted its idle rows
+    stopped = stopped | hit
+    return stopped, idle + stopped.sum(dtype=jnp.int32)
+
+
+def admission_block(
+    params: dict,
+    state: EngineState,
+    batch: StepBatch,
+    *,
+    max_steps: int,
+    token_bitmask: Int32[Array, "slots words"] | None = None,
+    first_kwargs: dict | None = None,
+    **forward_kwargs,
+) -> tuple[EngineState, Int32[Array, " n"]]:
+    """A step with prompt rows, then up to ``batch.decode_steps[0] - 1`` decode steps of the
+    same slots (``decode_slots`` lists every slot the block decodes, the requests whose prompt
+    the first step completes included: they decode from the second step on). ``first_kwargs``:
+    forward keywords of the first step only (a packed prompt region's ``packed_rows``). The
+    result is the first step's ``StepOutput.packed()`` followed by ``max_steps - 1`` decode
+    rows (:func:`decode_block`'s; zeros past the steps it ran)."""
+    state, first = step(
+        params, state, batch, token_bitmask=token_bitmask, **forward_kwargs, **(first_kwargs or {})
+    )
+    decode = decode_only(batch)
+    one = lambda st: step(params, st, decode, token_bitmask=token_bitmask, **forward_kwargs)
+    stopped, idle = _stops(batch, state, first, jnp.zeros(state.max_slots, bool), jnp.int32(0))
+    n = jnp.clip(batch.decode_steps[0], 1, max_steps) - 1
+    state, rows = _steps(one, state, decode, n, max_steps - 1, stopped, idle)
+    return state, jnp.concatenate([first.packed(), rows.ravel()])
+
+
+def decode_only(batch: StepBatch) -> StepBatch:
+    """``batch`` without its prompt rows: the decode steps after an admission block's first."""
+    none = lambda a: a[:0]
+    return batch.replace(
+        prefill_tokens=none(batch.prefill_tokens),
+        prefill_slots=none(batch.prefill_slots),
+        prefill_positions=none(batch.prefill_positions),
+        prefill_targets=none(batch.prefill_targets),
+    )
 
 
 def engine_block(
@@ -83,11 +140,20 @@ def engine_block(
     token_bitmask: Int32[Array, "slots words"] | None = None,
     *,
     max_steps: int,
+    first_kwargs: dict | None = None,
     **step_kwargs,
-) -> tuple[EngineState, Int32[Array, "max_steps n"]]:
-    """``core.engine_step`` for a block of decode steps: release, insert, then
-    :func:`decode_block` (the decode-only programs of an engine with ``decode_steps`` > 1)."""
+) -> tuple[EngineState, Int32[Array, " n"]]:
+    """``core.engine_step`` for a block of steps: release, insert, then :func:`decode_block`
+    (a decode-only batch) or :func:`admission_block` (one with prompt rows). The result is
+    flat: the first step's packed row, then ``max_steps - 1`` decode rows (the programs of
+    ``buckets.runs_blocks``)."""
     state = insert(release(state, release_mask), ins)
-    return decode_block(
-        params, state, batch, max_steps=max_steps, token_bitmask=token_bitmask, **step_kwargs
-    )
+    if batch.prefill_tokens.shape[0] == 0:
+        state, rows = decode_block(
+            params, state, batch, max_steps=max_steps, token_bitmask=token_bitmask, **step_kwargs
+        )
+        return state, rows.ravel()
+    return admission_block(
+        params, state, batch, max_steps=max_steps, token_bitmask=token_bitmask,
+        first_kwargs=first_kwargs, **step_kwargs,
+    )  # fmt: skip

@@ -26,7 +26,7 @@ from jbatch.engine.config import EngineConfig
 from jbatch.engine.core import unpack_output
 from jbatch.engine.executable_store import ExecutableStore, device_ids, digest, signature
 from jbatch.engine.grammar import all_allowed
-from jbatch.engine.logprobs import HostTopLogprobs
+from jbatch.engine.logprobs import HostTopLogprobs, packed_width
 from jbatch.engine.precompile import prepare
 from jbatch.engine.spec_step import unpack_spec
 from jbatch.engine.state import EngineState
@@ -152,7 +152,7 @@ class EngineCore:
         program = self._steps[key] if program is None else program
         state, packed = program(params, state, inp.ints, inp.floats, self._mask(bitmask))
         self.programs_run[key] += 1
-        block = int(inp.batch.decode_steps[0]) if buckets.runs_blocks(self.cfg, key[0]) else 0
+        block = int(inp.batch.decode_steps[0]) if buckets.runs_blocks(self.cfg, *key) else 0
         return state, self._dispatched_step(inp, packed, block)
 
     def forward(self, params: dict, state: EngineState, inp: StepInput):
@@ -192,16 +192,27 @@ class EngineCore:
             steps = [unpack_spec(row, *pending.spec) for row in rows]
             spec = tuple(np.stack(field) for field in zip(*(head for head, _ in steps)))
             packed = steps[0][1]
-        elif pending.block:  # one row per step of the block; the first is the result's head
-            rows = packed.reshape(self.cfg.decode_steps, -1)
-            steps = [unpack_output(row, self.cfg.max_slots)[:3] for row in rows[: pending.block]]
-            block, packed = tuple(np.stack(field) for field in zip(*steps)), rows[0]
+        elif pending.block:  # the first step's row (the result's head), then decode rows
+            packed, block = self._block_rows(packed, pending.block)
         result = StepResult(*unpack_output(packed, self.cfg.max_slots), spec=spec, block=block)
         # Its input may be recycled only once *every* device has finished the step: one
         # device's copy of the result can be ready while another still reads the input.
         jax.block_until_ready(pending.packed)
         self._fetched = max(self._fetched, pending.index + 1)  # this step and all before: done
         return result
+
+    def _block_rows(self, packed: np.ndarray, ran: int):
+        """A block program's flat result (``decode_block.engine_block``): the first step's
+        packed row, and the block's (tokens, sampled, logprobs), each ``[ran, slots]`` (None for
+        a block of one step: an ordinary step's result)."""
+        s = self.cfg.max_slots
+        width = packed_width(s)  # a decode row's
+        first = packed[: packed.shape[0] - (self.cfg.decode_steps - 1) * width]
+        if ran == 1:
+            return first, None
+        rows = packed[first.shape[0] :].reshape(-1, width)[: ran - 1, : 3 * s]
+        heads = np.concatenate([first[None, : 3 * s], rows]).reshape(ran, 3, s)
+        return first, (heads[:, 0], heads[:, 1].astype(bool), heads[:, 2].view(np.float32))
 
     def lower_step(
         self, params: dict, state: EngineState, rows: int, decode_rows: int, platforms=None

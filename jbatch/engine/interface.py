@@ -61,6 +61,9 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     # Blocks of decode steps the device ended before their planned count on a stop token.
     blocks_ended_early: int = 0
+    # Steps that prefilled prompts and ran on as a block of decode steps (admission blocks,
+    # ``decode_block.py``).
+    admission_blocks: int = 0
     # Per tenant (every tenant seen since the scheduler was built): served tokens, queue, slots.
     tenants: dict[str, TenantStats] = dataclasses.field(default_factory=dict)
 

@@ -71,7 +71,7 @@ _COUNTERS = (
     "steps", "dispatches", "tokens", "prompt_tokens", "decode_rows", "swap_outs",
     "steps_while_queued", "busy_slots_while_queued", "constrained_steps",
     "spec_steps", "spec_groups", "spec_proposed_tokens", "spec_accepted_tokens",
-    "blocks_ended_early",
+    "blocks_ended_early", "admission_blocks",
 )  # fmt: skip
 
 
@@ -310,6 +310,7 @@ class LLMEngine:
         if sched.drafts is None:  # a speculative dispatch's steps: those it ran (speculator)
             counters["steps"] += sched.steps
         counters["decode_rows"] += len(sched.decodes) * sched.steps
+        counters["admission_blocks"] += int(sched.steps > 1 and bool(sched.chunks))
         if self.scheduler.waiting:  # slot utilization while requests queue for a slot
             counters["steps_while_queued"] += 1
             counters["busy_slots_while_queued"] += len(self.scheduler.running)

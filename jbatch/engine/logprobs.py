@@ -147,6 +147,11 @@ def pack(
     return jnp.concatenate([head.reshape(-1), per_slot.reshape(-1), per_row.reshape(-1)])
 
 
+def packed_width(slots: int, prompt_rows: int = 0) -> int:
+    """The length of :func:`pack`'s result for ``slots`` slots and ``prompt_rows`` rows."""
+    return 3 * slots + slots * (1 + 2 * K) + prompt_rows * (2 + 2 * K)
+
+
 class HostTopLogprobs:
     """Host view (numpy) of a :class:`TopLogprobs` block of a packed result."""
 

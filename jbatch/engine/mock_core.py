@@ -82,22 +82,29 @@ class MockCore:
         if packed is not None and int((batch.prefill_positions >= 0).sum()) > packed:
             raise AssertionError(f"prompt tokens exceed the packed region's {packed} rows")
         st = self.insert(self.release(st, release), ins)
-        if buckets.runs_blocks(self.cfg, inp.layout.key[0]):  # as decode_block.py
-            steps, stopped, idle = [], np.zeros(self.cfg.max_slots, bool), 0
-            n = int(np.clip(batch.decode_steps[0], 1, self.cfg.decode_steps))
-            while len(steps) < n and idle <= batch.block_idle_budget[0]:
-                st, one = self._step(st, batch, bitmask)
-                steps.append((one.tokens, one.sampled, one.logprobs))
-                hit = (one.tokens[:, None] == batch.block_stop_tokens).any(axis=1)
-                stopped |= hit & one.sampled & self._decodes(st)
-                idle += int(stopped.sum())
-            steps += [tuple(np.zeros_like(f) for f in steps[0])] * (n - len(steps))
-            block = tuple(np.stack(field) for field in zip(*steps))
-            out = types.SimpleNamespace(**dict(zip(("tokens", "sampled", "logprobs"), steps[0])))
-            out.block = block
+        if buckets.runs_blocks(self.cfg, *inp.layout.key):  # as decode_block.py
+            st, out = self._block(st, batch, bitmask)
         else:
             st, out = self._step(st, batch, bitmask)
         out.input = inp
+        return st, out
+
+    def _block(self, st: MockState, batch, bitmask):
+        """``decode_block.engine_block`` after the insert: the first step with the batch's
+        prompt rows (an admission block), the rest decode-only, ending early on stop tokens."""
+        n = int(np.clip(batch.decode_steps[0], 1, self.cfg.decode_steps))
+        decode_only = types.SimpleNamespace(**vars(batch))
+        decode_only.prefill_positions = np.full(0, -1)  # the later steps: no prompt rows
+        steps, stopped, idle = [], np.zeros(self.cfg.max_slots, bool), 0
+        while len(steps) < n and idle <= batch.block_idle_budget[0]:
+            st, one = self._step(st, decode_only if steps else batch, bitmask)
+            steps.append((one.tokens, one.sampled, one.logprobs))
+            hit = (one.tokens[:, None] == batch.block_stop_tokens).any(axis=1)
+            stopped |= hit & one.sampled & self._decodes(st)
+            idle += int(stopped.sum())
+        steps += [tuple(np.zeros_like(f) for f in steps[0])] * (n - len(steps))
+        out = types.SimpleNamespace(**dict(zip(("tokens", "sampled", "logprobs"), steps[0])))
+        out.block = tuple(np.stack(field) for field in zip(*steps)) if n > 1 else None
         return st, out
 
     def fetch(self, out) -> StepResult:

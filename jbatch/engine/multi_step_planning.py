@@ -6,7 +6,8 @@ apart because these rules read and grant more than one step ahead:
 
 1. ``block_steps`` decides how many decode steps the next dispatch may run (1: an ordinary
    step); ``Scheduler.schedule(steps=N)`` then gives each decode up to N tokens and grows its
-   pages for all of them.
+   pages for all of them. An ordinary step that prefilled prompts may itself run on as a block
+   (``admission_block``), under the same rules, saving the block's own dispatch.
 2. A block planned while requests queue and a request may stop on a token carries an idle
    budget (``_block_idle_budget``) within which the device may run on past a stop; a block
    the device ended early gives back the tokens planned past its end (``block_cut``).
@@ -60,12 +61,74 @@ class MultiStepPlanning:
             return 1
         if not self.waiting:
             return self._until_smaller_bucket(ns, most)
-        # Past the first request's end its slot idles until the block ends: run on while
-        # the idle slot-steps stay within BLOCK_IDLE_STEPS steps' worth of slots.
-        budget, b = BLOCK_IDLE_STEPS * self.cfg.max_slots, least
+        return self._within_idle_budget(ns)
+
+    def _within_idle_budget(self, ns: list[int]) -> int:
+        """A block's length while requests queue (``ns``: the steps each request can use): past
+        the first request's end its slot idles until the block ends, so it runs on while the
+        idle slot-steps stay within ``BLOCK_IDLE_STEPS`` steps' worth of slots."""
+        budget, b, most = BLOCK_IDLE_STEPS * self.cfg.max_slots, min(ns), max(ns)
         while b < most and sum(max(0, b + 1 - n) for n in ns) <= budget:
             b += 1
         return b
+
+    def admission_block(self, out: SchedulerOutput) -> None:
+        """Run the ordinary step ``out``, which prefills prompts, on as a block of decode steps
+        (an *admission block*, ``decode_block.admission_block``) where a block could follow it
+        anyway: after it every running request decodes (no prompt still prefilling, nothing
+        needs the host between tokens), no waiting request could take a slot (nothing free,
+        nobody at its last token), nothing swaps, the step's decodes fill the bucket of every
+        slot's row anyway (its program lists every slot: ``buckets.runs_blocks``), and the pool
+        has every request's pages for the whole block (planning it never preempts). Its
+        length follows :meth:`block_steps`' rules; every request sampling in the step gets the
+        later steps' tokens its budget allows, with their pages. Saves the dispatch (and the
+        host's round) of the block that would follow."""
+        ns = self._admission_tokens(out)
+        if ns is None:
+            return
+        reach = [self._reach(seq, n - 2) for (seq, _), n in zip(out.samplers, ns)]
+        need = sum(max(0, self._pages_short(s, r)) for (s, _), r in zip(out.samplers, reach))
+        if need > self.allocator.num_free:
+            return
+        out.steps, tenants = max(ns), {}
+        for (seq, _), n, upto in zip(out.samplers, ns, reach):
+            self._grow(seq, upto, out)
+            extra = n - 1
+            seq.num_computed += extra
+            seq.num_sampled += extra
+            if extra and seq.num_sampled >= seq.max_tokens and seq not in self._last_samples:
+                self._last_samples.append(seq)
+            tenants[seq.tenant] = tenants.get(seq.tenant, 0) + extra
+            out.block_tokens.append(n)
+        for tenant, n in tenants.items():
+            self.ledger.charge(tenant, output=n)
+        out.idle_budget = self._block_idle_budget(out)
+
+    def _admission_tokens(self, out: SchedulerOutput) -> list[int] | None:
+        """The tokens each request sampling in ``out`` would get in its admission block (the
+        order of ``samplers``; the block's length is the largest), None: no block."""
+        if not (out.chunks and buckets.admission_blocks(self.cfg)) or self.slot_for_waiting():
+            return None
+        if out.swap_ins or out.swap_outs or out.paced_pairs:  # (the pacer times single steps)
+            return None
+        # Its steps list every slot: only where the step's decodes need that bucket anyway.
+        pair = buckets.pick_pair(self.cfg, out.prompt_rows, len(out.decodes), out.prompt_tokens)
+        if pair[1] != self.cfg.max_slots:
+            return None
+        if any(s.prefilling or s.host_per_token for s in self.running.values()):
+            return None
+        steps = self.cfg.decode_steps
+        ns = [min(steps, 1 + seq.max_tokens - seq.num_sampled) for seq, _ in out.samplers]
+        if not ns or max(ns) < 2:
+            return None
+        if self.waiting:
+            b = self._within_idle_budget(ns)
+        else:  # its later steps decode every slot's row: only while most slots decode
+            smaller = [b for b in buckets.decode_buckets(self.cfg, 0) if b < self.cfg.max_slots]
+            if smaller and len(ns) <= smaller[-1]:
+                return None
+            b = self._until_smaller_bucket(ns, max(ns))
+        return [min(b, n) for n in ns] if b > 1 else None
 
     def _until_smaller_bucket(self, ns: list[int], most: int) -> int:
         """A block without a queue: it pays its decode bucket's rows every step, so it runs

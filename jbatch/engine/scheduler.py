@@ -202,7 +202,7 @@ class Scheduler(MultiStepPlanning):
         of ``steps`` steps instead — decodes only, each with its proposal (pages for all of it,
         or none). ``steps`` > 1 (from :meth:`block_steps`): plan a block of that many decode
         steps — decodes only, each request up to its token budget, with pages for all of
-        them."""
+        them. An ordinary step may still come out as a block (:meth:`admission_block`)."""
         self.num_steps += 1
         self._retire()
         out = SchedulerOutput(steps=steps)
@@ -237,6 +237,7 @@ class Scheduler(MultiStepPlanning):
                 if cap != 0:
                     budget, rows = self._schedule_chunk(seq, budget, rows, out, cap, paced)
         self._admit(out, budget, rows)
+        self.admission_block(out)  # run on as a block of decode steps, where one could follow
         if out.paced_pairs:  # paced chunks, an admitted long prompt's first one included
             self.pacer.scheduled()
         out.releases, self.pending_releases = self.pending_releases, []

@@ -65,11 +65,12 @@ class SchedulerOutput:
     # A speculative dispatch (``spec_block.py``; decode only): each decode's proposal (None: it
     # decodes one token), in the order of ``decodes``; None for an ordinary step.
     drafts: list[Proposal | None] | None = None
-    # Decode steps the step runs as one block (``Scheduler.block_steps``; decode only: each
-    # decode gets up to this many tokens, its token budget permitting) or speculative steps a
-    # speculative dispatch runs at most; 1 for ordinary steps.
+    # Steps the dispatch runs as one block (``Scheduler.block_steps``, or an admission block:
+    # the first step with the prompt chunks; each request that samples gets up to this many
+    # tokens, its token budget permitting) or speculative steps a speculative dispatch runs at
+    # most; 1 for ordinary steps.
     steps: int = 1
-    # A block of decode steps: the tokens each decode was planned, in the order of
+    # A block: the tokens each request that samples was planned, in the order of
     # ``samplers``; and, when it may end early on stop tokens (``decode_block.py``), the
     # slot-steps it may leave idle behind them (None: it runs its whole count).
     block_tokens: list[int] = dataclasses.field(default_factory=list)

@@ -46,17 +46,16 @@ class StepPrograms:
 
 
 def packed_step(layout: StepInputLayout, cfg: EngineConfig, **step_kwargs) -> Callable:
-    """The step program of ``layout``'s bucket pair; a decode-only one runs a block of decode
-    steps when the engine has ``decode_steps`` > 1 (``buckets.runs_blocks``), its result the
-    blocks' rows, flattened."""
-    if buckets.runs_blocks(cfg, layout.key[0]):
+    """The step program of ``layout``'s bucket pair; with ``decode_steps`` > 1 the decode-only
+    ones, and the ones of admission blocks, run a block of steps (``buckets.runs_blocks``,
+    ``decode_block.py``), their result the block's rows, flattened."""
+    if buckets.runs_blocks(cfg, *layout.key):
 
         def run(params, state, ints, floats, bitmask):
-            state, rows = engine_block(
+            return engine_block(
                 params, state, *layout.unpack(ints, floats), bitmask,
-                max_steps=cfg.decode_steps, **step_kwargs,
+                max_steps=cfg.decode_steps, first_kwargs=layout.step_kwargs(), **step_kwargs,
             )  # fmt: skip
-            return state, rows.ravel()
 
         return run
 
