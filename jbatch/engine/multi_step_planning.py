@@ -48,26 +48,26 @@ class MultiStepPlanning:
         steps = self.cfg.decode_steps
         if steps == 1 or not self.running or self.slot_for_waiting():
             return 1
-        need, most, least, ns = 0, 1, steps, []
+        need, ns = 0, []
         for seq in self.running.values():
             if seq.prefilling or seq.host_per_token:
                 return 1
             if seq.can_decode:
                 n = min(steps, seq.max_tokens - seq.num_sampled)
                 need += max(0, self._pages_short(seq, self._reach(seq, n - 1)))
-                most, least = max(most, n), min(least, n)
                 ns.append(n)
         if need > self.allocator.num_free:
             return 1
         if not self.waiting:
-            return self._until_smaller_bucket(ns, most)
+            return self._until_smaller_bucket(ns, max(ns, default=1))
         return self._within_idle_budget(ns)
 
     def _within_idle_budget(self, ns: list[int]) -> int:
         """A block's length while requests queue (``ns``: the steps each request can use): past
         the first request's end its slot idles until the block ends, so it runs on while the
         idle slot-steps stay within ``BLOCK_IDLE_STEPS`` steps' worth of slots."""
-        budget, b, most = BLOCK_IDLE_STEPS * self.cfg.max_slots, min(ns), max(ns)
+        budget = BLOCK_IDLE_STEPS * self.cfg.max_slots
+        b, most = min(ns, default=self.cfg.decode_steps), max(ns, default=1)
         while b < most and sum(max(0, b + 1 - n) for n in ns) <= budget:
             b += 1
         return b

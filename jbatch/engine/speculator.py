@@ -85,12 +85,13 @@ def _block_emitted(sched: SchedulerOutput, block, scheduler: Scheduler, counters
     before its planned count (on a stop token, ``decode_block.py``): then each request that
     got fewer tokens than planned gives the rest back (``Scheduler.block_cut``), and the step
     counters count the steps it ran."""
-    tokens, sampled, logprobs = (field.T.tolist() for field in block)
-    got = [sum(sampled[slot]) for _, slot in sched.samplers]
+    tokens, logprobs = block[0].T.tolist(), block[2].T.tolist()
+    got = block[1].sum(axis=0).tolist()  # per slot: the steps it sampled in
     out = [
-        (seq, list(zip(tokens[slot], logprobs[slot]))[:n])
-        for (seq, slot), n in zip(sched.samplers, got)
+        (seq, tokens[slot][: got[slot]], logprobs[slot][: got[slot]])
+        for seq, slot in sched.samplers
     ]
+    got = [got[slot] for _, slot in sched.samplers]
     if sched.idle_budget is not None:
         for (seq, _), n, planned in zip(sched.samplers, got, sched.block_tokens):
             if n < planned and not seq.finished:
@@ -104,13 +105,13 @@ def _block_emitted(sched: SchedulerOutput, block, scheduler: Scheduler, counters
 
 def emitted(
     sched: SchedulerOutput, result, scheduler: Scheduler, counters
-) -> list[tuple[Request, list[tuple[int, float]]]]:
-    """Each sampling request of ``sched`` with its (token, logprob) pairs from ``result``."""
+) -> list[tuple[Request, list[int], list[float]]]:
+    """Each sampling request of ``sched`` with its tokens and their logprobs from ``result``."""
     if result.block is not None:  # a block of decode steps: each slot's sampled steps
         return _block_emitted(sched, result.block, scheduler, counters)
     tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
     if sched.drafts is None:
-        return [(seq, [(tokens[slot], logprobs[slot])]) for seq, slot in sched.samplers]
+        return [(seq, [tokens[slot]], [logprobs[slot]]) for seq, slot in sched.samplers]
     spec_tokens, spec_logprobs, counts, verified = result.spec  # [T, G, ...]: step, group
     ran = counts.any(axis=1)  # steps the dispatch ran
     counters["spec_steps"] += int(ran.sum())
@@ -125,6 +126,5 @@ def emitted(
         if not seq.finished:
             scheduler.accept(seq, n - 1, 0 if proposal is None else proposal.cap)
         on = np.arange(spec_tokens.shape[2]) < c[:, None]  # [T, K1]: emitted, step by step
-        pairs = zip(spec_tokens[:, g][on].tolist(), spec_logprobs[:, g][on].tolist())
-        out.append((seq, list(pairs)))
+        out.append((seq, spec_tokens[:, g][on].tolist(), spec_logprobs[:, g][on].tolist()))
     return out

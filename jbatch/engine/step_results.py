@@ -58,19 +58,17 @@ def step_outputs(
     now = time.monotonic()
     results: list[tuple[Request, RequestOutput]] = []
     emitted = speculator.emitted(sched, result, scheduler, counters)
-    for (seq, toks), (_, slot) in zip(emitted, sched.samplers):
+    for (seq, tokens, logprobs), (_, slot) in zip(emitted, sched.samplers):
         seq.inflight -= 1
         if seq.finished:
             continue  # finished by an earlier step's token, or aborted
         if seq.first_token_time is None:
             seq.first_token_time = now
-        done, new = None, 0
-        for token, logprob in toks:  # several after a speculative step
-            if seq.params.logprobs is not None:  # (such requests never speculate)
+        # Several tokens after a block of steps or a speculative dispatch.
+        done, new = stop_checker.append_run(seq, tokens, logprobs)
+        if seq.params.logprobs is not None:
+            for token, logprob in zip(tokens[:new], logprobs[:new]):
                 logprob_host.read_token(seq, slot, token, logprob, result.top, token_texts)
-            done, new = stop_checker.append_token(seq, token, logprob), new + 1
-            if done is not None:
-                break
         end = ends.get(id(seq))
         if end is not None and (done is None or end[0] == "error"):
             done, seq.error = (end[0], None), end[1]  # the grammar ended (or failed)

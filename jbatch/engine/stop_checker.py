@@ -39,6 +39,38 @@ def append_token(seq: Request, token: int, logprob: float) -> tuple[str, int | s
     return None
 
 
+def append_run(
+    seq: Request, tokens: list[int], logprobs: list[float]
+) -> tuple[tuple[str, int | str] | None, int]:
+    """Record a run of tokens (one step's, or a block's or speculative dispatch's) as
+    :func:`append_token` one by one would: ``(finish, tokens recorded)``. Without stop strings
+    only a stop id or the length can end the run, so it is found by a scan and recorded in
+    bulk (list extends, one detokenizer call); with them, token by token."""
+    if seq.params.stop:  # the text must be searched after every token
+        for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
+            done = append_token(seq, token, logprob)
+            if done is not None:
+                return done, i + 1
+        return None, len(tokens)
+    n, done = min(len(tokens), seq.max_tokens - len(seq.output_ids)), None
+    stops = stop_token_ids(seq)
+    if stops:
+        for i in range(n):
+            if tokens[i] in stops:
+                n, done = i + 1, ("stop", tokens[i])
+                break
+    run, lps = tokens[:n], logprobs[:n]
+    seq.output_ids += run
+    seq.logprobs += lps
+    for logprob in lps:  # in order: the same sum as token by token
+        seq.cumulative_logprob += logprob
+    if seq.detokenizer is not None and not seq.text_at_end:
+        seq.pending_text += seq.detokenizer.add_tokens(run[:-1] if done else run)
+    if done is None and len(seq.output_ids) >= seq.max_tokens:
+        done = ("length", None)
+    return done, n
+
+
 def may_stop_early(seq: Request) -> bool:
     """Whether ``seq`` can end before its token budget — by one of :func:`append_token`'s
     checks before the length: the host learns that only from its tokens."""
