@@ -394,3 +394,50 @@ def test_final_text_decoded_at_the_end_is_the_streamed_text(
     assert final[1:] == delta[1:]
     if any_tok.token_to_id("<0x00>") is None or "\ufffd" not in final[0] + delta[0]:
         assert final[0] == delta[0]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=_FIXTURE_OK)
+@given(
+    run=st.lists(st.integers(min_value=3, max_value=60), min_size=1, max_size=12),
+    before=st.integers(min_value=0, max_value=3),
+    max_tokens=st.integers(min_value=1, max_value=16),
+    stop_ids=st.lists(st.integers(min_value=3, max_value=60), max_size=2),
+    eos=st.booleans(),
+    stop_strings=st.booleans(),
+    final=st.booleans(),
+)
+def test_a_run_of_tokens_is_recorded_as_token_by_token(
+    any_tok: Tokenizer, run, before, max_tokens, stop_ids, eos, stop_strings, final
+) -> None:
+    """``stop_checker.append_run`` (a block's or speculative dispatch's tokens at once) records
+    what ``append_token`` one by one records and ends where it ends: ids, logprobs and their
+    sum, pending text, finish — stop ids, EOS, stop strings, the length, streamed or FINAL."""
+    from jbatch import EngineConfig, SamplingParams
+    from jbatch.engine import stop_checker
+    from jbatch.engine.request_intake import RequestIntake
+    from jbatch.outputs import OutputKind
+
+    cfg = EngineConfig(max_slots=2, page_size=4, num_pages=32, max_seq_len=64, block_q=4)
+    stop = tuple(s for s in map(any_tok.decode, ([t] for t in run[1:3])) if s)
+    stop = stop if stop_strings else ()
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens + before, stop_token_ids=stop_ids, stop=stop,
+        ignore_eos=not eos,
+    )  # fmt: skip
+    intake = RequestIntake(cfg, any_tok.vocab_size, any_tok, frozenset({run[-1]}))
+    kind = OutputKind.FINAL if final else OutputKind.DELTA
+    one, two = (intake.request(str(i), [5, 6, 7], params, output_kind=kind)[0] for i in (1, 2))
+    logprobs = [-0.1 * (i + 1) / 3 for i in range(len(run))]
+    for seq in (one, two):  # tokens already there: the run starts mid-generation
+        for t in range(before):
+            stop_checker.append_token(seq, 40 + t, -0.5)
+    want, n = None, 0
+    for token, logprob in zip(run, logprobs):
+        want, n = stop_checker.append_token(one, token, logprob), n + 1
+        if want is not None:
+            break
+    got = stop_checker.append_run(two, run, logprobs)
+    assert got == (want, n)
+    assert two.output_ids == one.output_ids and two.logprobs == one.logprobs
+    assert two.cumulative_logprob == one.cumulative_logprob
+    assert two.pending_text == one.pending_text
