@@ -15,7 +15,7 @@ def build_step_input(cfg: EngineConfig, core, sched: SchedulerOutput) -> StepInp
     """The step's input from ``core.new_input`` (buffers holding the defaults), filled in:
     slots to release, requests to insert, decode slots, prompt-chunk rows, page writes."""
     # An admission block's later steps decode its new requests too: every slot is listed.
-    decoding = cfg.max_slots if sched.chunks and sched.steps > 1 else len(sched.decodes)
+    decoding = cfg.max_slots if sched.admission_block else len(sched.decodes)
     pair = buckets.pick_pair(cfg, sched.prompt_rows, decoding, sched.prompt_tokens)
     inp = core.new_input(*pair)
     inp.release[sched.releases] = True

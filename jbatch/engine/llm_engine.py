@@ -310,7 +310,7 @@ class LLMEngine:
         if sched.drafts is None:  # a speculative dispatch's steps: those it ran (speculator)
             counters["steps"] += sched.steps
         counters["decode_rows"] += len(sched.decodes) * sched.steps
-        counters["admission_blocks"] += int(sched.steps > 1 and bool(sched.chunks))
+        counters["admission_blocks"] += int(sched.admission_block)
         if self.scheduler.waiting:  # slot utilization while requests queue for a slot
             counters["steps_while_queued"] += 1
             counters["busy_slots_while_queued"] += len(self.scheduler.running)

@@ -79,3 +79,8 @@ class SchedulerOutput:
     @property
     def empty(self) -> bool:
         return not (self.decodes or self.chunks)
+
+    @property
+    def admission_block(self) -> bool:
+        """A step with prompt chunks that runs on as a block (``Scheduler.admission_block``)."""
+        return self.steps > 1 and bool(self.chunks)

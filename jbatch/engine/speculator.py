@@ -86,12 +86,11 @@ def _block_emitted(sched: SchedulerOutput, block, scheduler: Scheduler, counters
     got fewer tokens than planned gives the rest back (``Scheduler.block_cut``), and the step
     counters count the steps it ran."""
     tokens, logprobs = block[0].T.tolist(), block[2].T.tolist()
-    got = block[1].sum(axis=0).tolist()  # per slot: the steps it sampled in
+    per_slot = block[1].sum(axis=0).tolist()  # the steps each slot sampled in
+    got = [per_slot[slot] for _, slot in sched.samplers]
     out = [
-        (seq, tokens[slot][: got[slot]], logprobs[slot][: got[slot]])
-        for seq, slot in sched.samplers
+        (seq, tokens[slot][:n], logprobs[slot][:n]) for (seq, slot), n in zip(sched.samplers, got)
     ]
-    got = [got[slot] for _, slot in sched.samplers]
     if sched.idle_budget is not None:
         for (seq, _), n, planned in zip(sched.samplers, got, sched.block_tokens):
             if n < planned and not seq.finished:
