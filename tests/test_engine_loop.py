@@ -96,6 +96,22 @@ def test_host_work_per_token_is_constant(monkeypatch):
     assert eng.requests[rid].pending_text == ""
 
 
+def test_a_page_is_named_by_blake2b_over_its_parent_name_and_int64_tokens():
+    """The name format a prefix cache (and a page import from another engine) relies on."""
+    import hashlib
+
+    from jbatch.engine.page_allocator import chain_hash
+
+    def name(parent: bytes, tokens: list[int]) -> bytes:
+        data = parent + np.asarray(tokens, np.int64).tobytes()
+        return hashlib.blake2b(data, digest_size=16).digest()
+
+    first = chain_hash(b"", [1, 2, 3, 4])
+    assert first == name(b"", [1, 2, 3, 4])
+    assert chain_hash(first, [5, 2**40, 0, np.int32(7)]) == name(first, [5, 2**40, 0, 7])
+    assert chain_hash(first, [5, 6]) != chain_hash(b"", [5, 6])
+
+
 def test_step_input_round_trip():
     cfg = EngineConfig(max_slots=4, page_size=4, num_pages=32, max_seq_len=32, block_q=4,
                        max_num_batched_tokens=16)  # fmt: skip
@@ -321,6 +337,42 @@ def test_a_block_runs_past_a_request_end_while_its_idle_rows_stay_in_budget():
     first = plans[0]
     assert (len(first.chunks), first.steps, first.block_tokens) == (2, 7, [3, 7])
     assert eng.scheduler.allocator.num_used == 0
+
+
+def test_an_admission_runs_on_as_a_block_past_a_request_at_its_last_token():
+    """A request whose last token is sampled in the admitting step frees its slot at the next
+    retirement, but the step still runs on as a block: that slot idles within the idle budget
+    like a request ending inside a block. 2 slots, 4-step blocks, a third request queued: the
+    first two (1 and 8 tokens) are admitted; the first is done after the first step (idle rows
+    1, 2, 3 for blocks of 2..4: within 2 x 2), so the admission is a 4-step block. Before, the
+    queued request made every such step an ordinary one (one dispatch per step while requests
+    end one a step). A slot left free by the token budget still stops it (the next step admits
+    into it): the third request's admission below."""
+    eng = mock_engine(max_slots=2, decode_steps=4, debug_checks=True)
+    prompts = [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    lengths = (1, 8, 4)
+    ids = [eng.add_request(p, greedy(n)) for p, n in zip(prompts, lengths)]
+    plans = []
+    schedule = eng.scheduler.schedule
+    eng.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
+    tokens = run_all(eng)
+    for rid, p, n in zip(ids, prompts, lengths):
+        assert tokens[rid] == expected_tokens(p, n, 0, False, VOCAB)
+    first = plans[0]
+    assert (len(first.chunks), first.steps, first.block_tokens) == (2, 4, [1, 4])
+    assert first.admission_block and eng.stats().admission_blocks >= 1
+    assert eng.scheduler.allocator.num_used == 0
+
+    # Token budget for one prompt a step: the step admitting the first leaves a slot free
+    # while the second waits, so it stays an ordinary step.
+    eng = mock_engine(max_slots=2, decode_steps=4, max_num_batched_tokens=4, block_q=4)
+    for p, n in zip(prompts, (6, 6)):
+        eng.add_request(p, greedy(n))
+    plans.clear()
+    schedule = eng.scheduler.schedule
+    eng.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
+    eng.step()
+    assert len(plans[0].chunks) == 1 and plans[0].steps == 1 and not plans[0].admission_block
 
 
 @pytest.mark.parametrize("arrives_mid_block", [False, True])

@@ -177,7 +177,8 @@ class EngineCore:
         self._dispatched += 1
         # The host reads one copy of the replicated result (with several processes: its own).
         local = packed.addressable_shards[0].data if self._multiprocess else packed
-        local.copy_to_host_async()
+        if not self._on_cpu:  # on a CPU the result is host memory already: nothing to copy
+            local.copy_to_host_async()
         spec = None
         if _key_of(inp)[0] == "spec":
             spec = inp.batch.group_slots.shape[0], self.cfg.num_speculative_tokens + 1

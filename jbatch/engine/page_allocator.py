@@ -13,11 +13,10 @@ of their own, so page tables are append-only: no copy-on-write is needed.
 
 from __future__ import annotations
 
+import array
 import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-
-import numpy as np
 
 
 class OutOfPages(RuntimeError):
@@ -26,7 +25,7 @@ class OutOfPages(RuntimeError):
 
 def chain_hash(parent: bytes, page_tokens: Sequence[int]) -> bytes:
     """Name of a full page: BLAKE2b (128 bits) over its parent page's name and its tokens."""
-    data = parent + np.asarray(page_tokens, np.int64).tobytes()
+    data = parent + array.array("q", page_tokens).tobytes()  # int64 each, native order
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
