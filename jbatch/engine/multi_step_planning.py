@@ -77,13 +77,14 @@ class MultiStepPlanning:
         (an *admission block*, ``decode_block.admission_block``) where a block could follow it
         anyway: after it every running request decodes (no prompt still prefilling, nothing
         needs the host between tokens), no slot is left free while requests wait (the token
-        budget ran out: the next step admits into it), nothing swaps, the step's decodes fill
-        the bucket of every
-        slot's row anyway (its program lists every slot: ``buckets.runs_blocks``), and the pool
-        has every request's pages for the whole block (planning it never preempts). Its
-        length follows :meth:`block_steps`' rules; every request sampling in the step gets the
-        later steps' tokens its budget allows, with their pages. Saves the dispatch (and the
-        host's round) of the block that would follow."""
+        budget ran out: the next step admits into it; a request at its last token idles its
+        slot within the idle budget instead), nothing swaps, the step's decodes fill the
+        bucket of every slot's row anyway (its program lists every slot:
+        ``buckets.runs_blocks``), and the pool has every request's pages for the whole block
+        (planning it never preempts). Its length follows :meth:`block_steps`' rules; every
+        request sampling in the step gets the later steps' tokens its budget allows, with
+        their pages. Saves the dispatch (and the host's round) of the block that would
+        follow."""
         ns = self._admission_tokens(out)
         if ns is None:
             return
