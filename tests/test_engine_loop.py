@@ -45,6 +45,13 @@ def run_all(engine) -> dict[str, list[int]]:
     return tokens
 
 
+def record_plans(engine) -> list:
+    """The ``SchedulerOutput`` of every step ``engine`` plans from now on, in order."""
+    plans, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
+    return plans
+
+
 def test_engines_implement_the_interface():
     eng = mock_engine()
     assert isinstance(eng, EngineClient)
@@ -328,9 +335,7 @@ def test_a_block_runs_past_a_request_end_while_its_idle_rows_stay_in_budget():
     prompts = [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
     lengths = (3, 30, 5)
     ids = [eng.add_request(p, greedy(n)) for p, n in zip(prompts, lengths)]
-    plans = []
-    schedule = eng.scheduler.schedule
-    eng.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
+    plans = record_plans(eng)
     tokens = run_all(eng)
     for rid, p, n in zip(ids, prompts, lengths):
         assert tokens[rid] == expected_tokens(p, n, 0, False, VOCAB)
@@ -352,9 +357,7 @@ def test_an_admission_runs_on_as_a_block_past_a_request_at_its_last_token():
     prompts = [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
     lengths = (1, 8, 4)
     ids = [eng.add_request(p, greedy(n)) for p, n in zip(prompts, lengths)]
-    plans = []
-    schedule = eng.scheduler.schedule
-    eng.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
+    plans = record_plans(eng)
     tokens = run_all(eng)
     for rid, p, n in zip(ids, prompts, lengths):
         assert tokens[rid] == expected_tokens(p, n, 0, False, VOCAB)
@@ -368,9 +371,7 @@ def test_an_admission_runs_on_as_a_block_past_a_request_at_its_last_token():
     eng = mock_engine(max_slots=2, decode_steps=4, max_num_batched_tokens=4, block_q=4)
     for p, n in zip(prompts, (6, 6)):
         eng.add_request(p, greedy(n))
-    plans.clear()
-    schedule = eng.scheduler.schedule
-    eng.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
+    plans = record_plans(eng)
     eng.step()
     assert len(plans[0].chunks) == 1 and plans[0].steps == 1 and not plans[0].admission_block
 
@@ -418,9 +419,7 @@ def test_a_block_ends_on_the_device_once_a_stop_token_idles_its_slot_past_the_bu
     b = eng.add_request([8, 9, 10], greedy(30))
     if queued:
         c = eng.add_request([11, 12], greedy(4))
-    plans = []
-    schedule = eng.scheduler.schedule
-    eng.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
+    plans = record_plans(eng)
     outs = eng.step()  # both prompts, and the block they run on into
     block = plans[-1]
     assert (len(block.chunks), block.steps, block.block_tokens) == (2, 8, [8, 8])
@@ -460,9 +459,7 @@ def test_a_block_cut_short_keeps_the_fair_queue_order():
     eng.add_request([22, 23], greedy(4), tenant="b")
     eng.step()  # both prompts, run on as a block
     a2 = eng.add_request([30, 31], greedy(4), tenant="a")
-    plans = []
-    schedule = eng.scheduler.schedule
-    eng.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
+    plans = record_plans(eng)
     eng.step()  # lands the block (cut short), then admits into the freed slot
     assert eng.stats().blocks_ended_early == 1
     assert [s.request_id for s in plans[-1].inserts] == [a2]

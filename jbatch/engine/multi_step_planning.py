@@ -113,8 +113,7 @@ class MultiStepPlanning:
         # to: its slot idles within the idle budget, like one that ends inside the block.
         # Requests ending one a step had made every admission an ordinary step (demo model,
         # 32 slots, 256 long-tail requests: 69 of 120 dispatches; 39 of 91 after).
-        free_for_waiting = bool(self.waiting) and bool(self.free_slots)
-        if not (out.chunks and buckets.admission_blocks(self.cfg)) or free_for_waiting:
+        if not (out.chunks and buckets.admission_blocks(self.cfg)) or self.free_slot_waited_for():
             return None
         if out.swap_ins or out.swap_outs or out.paced_pairs:  # (the pacer times single steps)
             return None
@@ -152,7 +151,11 @@ class MultiStepPlanning:
         """Whether a waiting request could take a slot free now or at the next step's
         retirement: that step should admit it (an ordinary step), not run a block of decode
         steps or a speculative step, which admit nobody."""
-        return bool(self.waiting) and bool(self.free_slots or self._last_samples)
+        return self.free_slot_waited_for() or (bool(self.waiting) and bool(self._last_samples))
+
+    def free_slot_waited_for(self) -> bool:
+        """Whether a slot is free while requests wait: the next step admits into it."""
+        return bool(self.waiting) and bool(self.free_slots)
 
     def may_stop_early(self) -> bool:
         """Whether a running request could end before its token budget (EOS, a stop token or
