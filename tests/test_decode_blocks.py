@@ -5,6 +5,11 @@ program compiles after warm-up and no page leaks with random aborts."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -156,3 +161,27 @@ def test_no_page_leaks_with_random_aborts(engines):
     llm, _, _ = engines
     churn_with_random_aborts(llm.engine, prompts(40, seed=12), requests=300, max_tokens=16)
     assert_drained(llm)
+
+
+def test_a_replay_of_a_runs_dispatches_does_the_same_device_work(engines):
+    """``scripts/dispatch_replay.py`` (what ``bench_host.py`` compares a run's wall time with):
+    the run's step programs, replayed from the state the run started from, return the run's
+    packed results bit for bit — blocks, admission blocks and ordinary steps alike."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from dispatch_replay import DispatchRecorder, replay
+
+    blocks, steps, _ = engines
+    for llm in (blocks, steps):
+        engine = llm.engine
+        start = jax.tree.map(jnp.copy, engine.state)
+        params = [GREEDY.replace(max_tokens=n) for n in (9, 30, 5, 17, 24, 3)]
+        with DispatchRecorder(engine) as recorded:
+            engine_outs = llm.generate(prompts(6, seed=12), params, use_tqdm=False)
+        assert len(recorded.steps) == len(recorded.results) > 3
+        wall, results = replay(engine, recorded.steps, start)
+        assert wall > 0 and len(results) == len(recorded.results)
+        for ran, again in zip(recorded.results, results):
+            np.testing.assert_array_equal(np.asarray(ran), again)
+        assert [len(o.outputs[0].token_ids) for o in engine_outs] == [p.max_tokens for p in params]
+        assert "step" not in vars(engine.core)  # the recorder put the method back
+        assert_drained(llm)

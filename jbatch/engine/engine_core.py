@@ -19,7 +19,7 @@ import logging
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
-from jaxtyping import Array, Int32
+from jaxtyping import Array, Float32, Int32
 
 from jbatch.engine import buckets, host_memory, step_programs, swap
 from jbatch.engine.config import EngineConfig
@@ -148,12 +148,26 @@ class EngineCore:
         tokens each slot may sample (``grammar.GrammarCompiler.bitmask``; a fresh array per
         step), None: all."""
         key = _key_of(inp)
-        program = self._ready.get(key)
-        program = self._steps[key] if program is None else program
-        state, packed = program(params, state, inp.ints, inp.floats, self._mask(bitmask))
+        state, packed = self.launch(key, params, state, inp.ints, inp.floats, bitmask)
         self.programs_run[key] += 1
         block = int(inp.batch.decode_steps[0]) if buckets.runs_blocks(self.cfg, *key) else 0
         return state, self._dispatched_step(inp, packed, block)
+
+    def launch(
+        self,
+        key: tuple,
+        params: dict,
+        state: EngineState,
+        ints: Int32[np.ndarray, " n"],
+        floats: Float32[np.ndarray, " m"],
+        bitmask: Int32[np.ndarray, "slots words"] | None = None,
+    ) -> tuple[EngineState, Int32[Array, " r"]]:
+        """Launch the step program of bucket ``key`` on packed inputs (a ``StepInput``'s
+        ``ints`` / ``floats``) and return the new state and the packed result, with none of
+        :meth:`step`'s bookkeeping (``scripts/dispatch_replay.py`` replays recorded steps so)."""
+        program = self._ready.get(key)
+        program = self._steps[key] if program is None else program
+        return program(params, state, ints, floats, self._mask(bitmask))
 
     def forward(self, params: dict, state: EngineState, inp: StepInput):
         """Dispatch the forward half of a step (``split_step.py``; ``structured_overlap``)."""
