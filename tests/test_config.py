@@ -107,3 +107,23 @@ def test_dtype_defaults_to_bfloat16_on_accelerators_only(monkeypatch):
         monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
         assert EngineConfig().dtype == want
         assert EngineConfig(dtype="float16").dtype == "float16"  # explicit wins
+
+
+def test_engine_config_hashes_once_and_like_its_fields():
+    """The bucket caches key on the config: equal configs hash equal, a changed field changes
+    the hash (``dataclasses.replace`` computes it afresh), and a pickled copy (another process
+    hashes strings differently) recomputes it instead of carrying the cached value."""
+    import dataclasses
+    import pickle
+
+    from jbatch.engine.config import EngineConfig
+
+    a, b = EngineConfig(max_slots=8), EngineConfig(max_slots=8)
+    assert a == b and hash(a) == hash(b) and a.__dict__["_hash"] == hash(a)
+    c = dataclasses.replace(a, max_slots=4)
+    assert c != a and hash(c) != hash(a)
+    fields = tuple(getattr(a, f.name) for f in dataclasses.fields(a) if f.compare)
+    assert hash(a) == hash(fields)
+    copy = pickle.loads(pickle.dumps(a))
+    assert "_hash" not in copy.__dict__ and copy == a and hash(copy) == hash(a)
+    assert repr(copy) == repr(a) and "_hash" not in dataclasses.asdict(a)

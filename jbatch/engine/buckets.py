@@ -87,6 +87,7 @@ def region_rows(cfg: EngineConfig, dense: int) -> int:
     return dense + block_rows(cfg, dense // PACKED_SLACK)
 
 
+@functools.cache
 def prefill_buckets(cfg: EngineConfig) -> tuple[int, ...]:
     """Prompt regions, in block rows: 0 (decode only), then 1 to LINEAR_PREFILL_BLOCKS whole
     ``block_q`` blocks, then 4x apart up to the budget, those packed (:func:`region_rows`;
@@ -149,6 +150,7 @@ MIN_MIXED_DECODE_ROWS = 8
 MIN_THREE_QUARTER_ROWS = 16
 
 
+@functools.cache
 def decode_buckets(cfg: EngineConfig, rows: int = 0) -> tuple[int, ...]:
     """Decode row counts compiled with ``rows`` prompt-chunk rows: ``max_slots``, then halves
     down to MIN_DECODE_ROWS and 3/4 ``max_slots`` (decode-only steps; the latter from
@@ -197,7 +199,7 @@ def pick_pair(cfg: EngineConfig, rows: int, decodes: int, tokens: int = 0) -> tu
     one whose layers compute the fewest rows (:func:`dense_rows` plus decode rows; then the
     fewest prompt rows)."""
     for pair in _pairs_by_rows(cfg):
-        if _holds(cfg, pair[0], rows, tokens) and pair[1] >= decodes:
+        if pair[1] >= decodes and _holds(cfg, pair[0], rows, tokens):
             return pair
     raise ValueError(
         f"no step program holds {rows} prompt rows of {tokens} tokens and {decodes} decode rows "

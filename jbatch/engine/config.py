@@ -278,6 +278,20 @@ class EngineConfig:
                 f"dp={self.dp})"
             )
 
+    def __hash__(self) -> int:
+        # Computed once: the bucket functions' caches (``buckets.py``) hash the config several
+        # times a step, ~1 us each over its ~40 fields. Equal configs hash equal (the fields
+        # ``__eq__`` compares); a pickled copy recomputes it (``__getstate__``).
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            fields = dataclasses.fields(self)
+            cached = hash(tuple(getattr(self, f.name) for f in fields if f.compare))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @property
     def weight_quant(self) -> WeightQuant | None:
         """How weights are quantized at load time (None: not at all)."""
