@@ -66,7 +66,7 @@ def demo_host_time(llm: LLM, requests: int, seed: int) -> dict:
         llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
     after = eng.stats()
-    replayed, _ = replay(eng, recorded.steps)  # the same device work, no host between
+    replayed, _ = replay(eng, recorded)  # the same device work, no host between
     steps = after.steps - before.steps
     host = after.host_only_seconds - before.host_only_seconds
     dispatch = after.dispatch_seconds - before.dispatch_seconds

@@ -10,9 +10,12 @@ launches:
    dispatched step's program key and a copy of its packed inputs (``StepInput.ints`` /
    ``floats``) and bitmask.
 2. :func:`replay` launches the same programs on the same inputs in the same order, with one
-   step in flight as the engine keeps (launch step k, then read step k-1's result), from the
-   engine's current state (the inputs insert, release and write every slot and page the run
-   used, so the device does the same work), and returns the wall time.
+   step in flight as the engine keeps (launch step k, then read step k-1's result), from a
+   given state or the engine's current one (the inputs insert, release and write every slot
+   and page the run used, so the device does the same work), and returns the wall time.
+
+Only step programs are recorded: a run that also swapped or split a step (structured output's
+``structured_overlap``) launched programs a replay would miss, and :func:`replay` refuses it.
 
 The replay still pays each launch and each result read (the engine cannot avoid those), so
 ``1 - replay / run`` is the share of the run lost to the engine's own planning, input
@@ -35,9 +38,11 @@ class DispatchRecorder:
         self.engine = engine
         self.steps: list[tuple] = []
         self.results: list = []
+        self.dispatches = 0  # every dispatch of the engine while entered, recorded or not
 
     def __enter__(self) -> DispatchRecorder:
         core = self.engine.core
+        self.dispatches = -self.engine.counters["dispatches"]
         launch = core.step
 
         def recorded(params, state, inp, bitmask=None):
@@ -51,12 +56,19 @@ class DispatchRecorder:
 
     def __exit__(self, *exc) -> None:
         del self.engine.core.step  # the class's method again
+        self.dispatches += self.engine.counters["dispatches"]
 
 
-def replay(engine, steps: list[tuple], state=None) -> tuple[float, list[np.ndarray]]:
-    """``steps`` (a :class:`DispatchRecorder`'s) launched back to back on ``engine``'s
-    programs, from ``state`` (default: the engine's; the engine keeps the state they leave):
-    the wall seconds and each step's packed result."""
+def replay(engine, recorded: DispatchRecorder, state=None) -> tuple[float, list[np.ndarray]]:
+    """The steps ``recorded`` launched back to back on ``engine``'s programs, from ``state``
+    (default: the engine's; the engine keeps the state they leave): the wall seconds and each
+    step's packed result."""
+    steps = recorded.steps
+    if recorded.dispatches != len(steps):
+        raise ValueError(
+            f"the run dispatched {recorded.dispatches} programs, {len(steps)} of them step "
+            f"programs: a replay of the steps alone is not the run's device work (swaps?)"
+        )
     core, last, results = engine.core, None, []
     state = engine.state if state is None else state
     t0 = time.perf_counter()

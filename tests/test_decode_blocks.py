@@ -178,10 +178,13 @@ def test_a_replay_of_a_runs_dispatches_does_the_same_device_work(engines):
         with DispatchRecorder(engine) as recorded:
             engine_outs = llm.generate(prompts(6, seed=12), params, use_tqdm=False)
         assert len(recorded.steps) == len(recorded.results) > 3
-        wall, results = replay(engine, recorded.steps, start)
+        wall, results = replay(engine, recorded, start)
         assert wall > 0 and len(results) == len(recorded.results)
         for ran, again in zip(recorded.results, results):
             np.testing.assert_array_equal(np.asarray(ran), again)
         assert [len(o.outputs[0].token_ids) for o in engine_outs] == [p.max_tokens for p in params]
         assert "step" not in vars(engine.core)  # the recorder put the method back
+        recorded.dispatches += 1  # as if the run had also swapped: not all its device work
+        with pytest.raises(ValueError, match="step programs"):
+            replay(engine, recorded)
         assert_drained(llm)
