@@ -52,6 +52,17 @@ def record_plans(engine) -> list:
     return plans
 
 
+def run_greedy_exact(engine, prompts, lengths) -> tuple[list[str], list]:
+    """Queue a greedy request of ``lengths[i]`` tokens per prompt, step until idle: every
+    request gets the mock's exact tokens. Returns the request ids and every step's plan."""
+    ids = [engine.add_request(p, greedy(n)) for p, n in zip(prompts, lengths)]
+    plans = record_plans(engine)
+    tokens = run_all(engine)
+    for rid, p, n in zip(ids, prompts, lengths):
+        assert tokens[rid] == expected_tokens(p, n, 0, False, VOCAB)
+    return ids, plans
+
+
 def test_engines_implement_the_interface():
     eng = mock_engine()
     assert isinstance(eng, EngineClient)
@@ -263,10 +274,7 @@ def test_a_slot_is_reused_the_step_after_its_last_token_is_dispatched(async_sche
     eng = mock_engine(max_slots=2, async_scheduling=async_scheduling, debug_checks=True)
     lens = [40, 3, 1, 5, 2, 4]
     prompts = [[7 + i, 8 + i, 9] for i in range(len(lens))]
-    ids = [eng.add_request(p, greedy(n)) for p, n in zip(prompts, lens)]
-    tokens = run_all(eng)
-    for rid, p, n in zip(ids, prompts, lens):
-        assert tokens[rid] == expected_tokens(p, n, 0, False, VOCAB)
+    ids, _ = run_greedy_exact(eng, prompts, lens)
     # A 3-token prompt fits one chunk, which samples the first token: a request of n tokens
     # takes n steps, and the next one starts right after.
     starts = [eng.requests[rid].first_scheduled_step for rid in ids[1:]]
@@ -334,11 +342,7 @@ def test_a_block_runs_past_a_request_end_while_its_idle_rows_stay_in_budget():
     eng = mock_engine(max_slots=2, decode_steps=8, debug_checks=True)
     prompts = [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
     lengths = (3, 30, 5)
-    ids = [eng.add_request(p, greedy(n)) for p, n in zip(prompts, lengths)]
-    plans = record_plans(eng)
-    tokens = run_all(eng)
-    for rid, p, n in zip(ids, prompts, lengths):
-        assert tokens[rid] == expected_tokens(p, n, 0, False, VOCAB)
+    _, plans = run_greedy_exact(eng, prompts, lengths)
     first = plans[0]
     assert (len(first.chunks), first.steps, first.block_tokens) == (2, 7, [3, 7])
     assert eng.scheduler.allocator.num_used == 0
@@ -356,11 +360,7 @@ def test_an_admission_runs_on_as_a_block_past_a_request_at_its_last_token():
     eng = mock_engine(max_slots=2, decode_steps=4, debug_checks=True)
     prompts = [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
     lengths = (1, 8, 4)
-    ids = [eng.add_request(p, greedy(n)) for p, n in zip(prompts, lengths)]
-    plans = record_plans(eng)
-    tokens = run_all(eng)
-    for rid, p, n in zip(ids, prompts, lengths):
-        assert tokens[rid] == expected_tokens(p, n, 0, False, VOCAB)
+    _, plans = run_greedy_exact(eng, prompts, lengths)
     first = plans[0]
     assert (len(first.chunks), first.steps, first.block_tokens) == (2, 4, [1, 4])
     assert first.admission_block and eng.stats().admission_blocks >= 1
