@@ -5,7 +5,6 @@ program compiles after warm-up and no page leaks with random aborts."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import jax
@@ -163,11 +162,11 @@ def test_no_page_leaks_with_random_aborts(engines):
     assert_drained(llm)
 
 
-def test_a_replay_of_a_runs_dispatches_does_the_same_device_work(engines):
+def test_a_replay_of_a_runs_dispatches_does_the_same_device_work(engines, monkeypatch):
     """``scripts/dispatch_replay.py`` (what ``bench_host.py`` compares a run's wall time with):
     the run's step programs, replayed from the state the run started from, return the run's
     packed results bit for bit — blocks, admission blocks and ordinary steps alike."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    monkeypatch.syspath_prepend(Path(__file__).resolve().parents[1] / "scripts")  # undone after
     from dispatch_replay import DispatchRecorder, replay
 
     blocks, steps, _ = engines
