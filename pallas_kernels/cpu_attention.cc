@@ -10,9 +10,11 @@
 // reach a result. Page ids and positions are clamped into the arrays: a bad table reads a wrong
 // page, never out of bounds.
 //
-// Work: one item per (block, KV head), spread over XLA's intra-op thread pool; an item scores its
-// block's valid rows x the G query heads of the KV head against each key (one pass over the
-// keys), takes a two-pass softmax per query vector and accumulates the value rows.
+// Work: one item per (block, KV head), spread over XLA's intra-op thread pool when the call has
+// at least `min_parallel_work` (keys read x query heads x head dim, summed over rows; below it
+// the calling thread does every item: waking a pool thread costs more than it saves); an item
+// scores its block's valid rows x the G query heads of the KV head against each key (one pass
+// over the keys), takes a two-pass softmax per query vector and accumulates the value rows.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -296,6 +298,19 @@ struct Progress {
   std::condition_variable cv;
 };
 
+// The call's work in multiply-adds per pass: keys each valid row reads x query heads x head dim.
+int64_t call_work(const Problem& pr) {
+  const int64_t ctx_cap = pr.max_pages * pr.page_size;
+  int64_t keys = 0;
+  for (int64_t r = 0; r < pr.n * pr.bq; ++r) {
+    const int64_t pos = pr.positions[r];
+    const int64_t hi = std::min(pos + 1, ctx_cap);
+    const int64_t lo = pr.window > 0 ? std::max<int64_t>(0, pos - pr.window + 1) : 0;
+    if (pos >= 0) keys += std::max<int64_t>(0, hi - lo);
+  }
+  return keys * pr.h * pr.d;
+}
+
 void run_items(const Problem& pr, int64_t items, Progress& progress) {
   thread_local Scratch scratch;
   for (int64_t i; (i = progress.next.fetch_add(1)) < items;) {
@@ -328,7 +343,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
                           ffi::AnyBuffer v, ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
                           ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap,
-                          int64_t window) {
+                          int64_t window, int64_t min_parallel_work) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || tables.dimensions().size() != 2) {
@@ -368,7 +383,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   const int64_t items = pr.n * pr.kvh;
   if (items == 0) return ffi::Error::Success();
   auto progress = std::make_shared<Progress>();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
+  const int64_t helpers = call_work(pr) < min_parallel_work
+                              ? 0
+                              : std::min<int64_t>(pool.num_threads(), items) - 1;
   for (int64_t t = 0; t < helpers; ++t) {
     // The task holds the counters alive; it reads `pr` only while items are left, and the
     // caller does not return while any item is unfinished.
@@ -395,4 +412,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JbatchCpuPagedAttention, PagedAttention,
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("sliding_window"));
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<int64_t>("min_parallel_work"));

@@ -47,6 +47,12 @@ SOURCE = Path(__file__).with_name("cpu_attention.cc")
 # vLLM; prompt blocks through the native attention kernel").
 MAX_BLOCK_Q = 8
 MAX_PROMPT_KEYS = 512
+# A call shares its items with XLA's intra-op threads only from this much work (keys read x
+# query heads x head dim, over all rows); below it the calling thread is done before a woken pool
+# thread would help. Measured on the 2-core CI VM (`scripts/bench_cpu_attention.py --sharing`,
+# docs/benchmarks.md): alone is 1.05-2.9x faster up to ~3e5 (the smallest calls most), sharing
+# breaks even to 1.5x faster from ~4e5.
+MIN_PARALLEL_WORK = 3 << 17
 POOL_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn))
 QUERY_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
@@ -148,9 +154,12 @@ def cpu_paged_attention(
     soft_cap: float | None = None,
     k_scales: Float[Array, "p s kvh"] | None = None,
     v_scales: Float[Array, "p s kvh"] | None = None,
+    min_parallel_work: int = MIN_PARALLEL_WORK,
 ) -> Float[Array, "n bq h d"]:
     """Same contract as :func:`~pallas_kernels.paged_attention_reference` (padding rows: zeros),
-    computed by the native kernel. Needs :func:`available`."""
+    computed by the native kernel. Needs :func:`available`. ``min_parallel_work``: the least work
+    a call shares with XLA's threads (:data:`MIN_PARALLEL_WORK`; 0: always, results are the same
+    either way)."""
     if not available():
         raise RuntimeError(f"the CPU attention kernel is unavailable: {unavailable_reason()}")
     if not supports(q.dtype, k_pages.dtype):
@@ -171,4 +180,5 @@ def cpu_paged_attention(
         scale=np.float32(q.shape[-1] ** -0.5 if scale is None else scale),
         soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
         sliding_window=np.int64(0 if sliding_window is None else sliding_window),
+        min_parallel_work=np.int64(min_parallel_work),
     )

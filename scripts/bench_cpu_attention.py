@@ -2,12 +2,20 @@
 path, on the decode and speculative shapes the engine runs, interleaved in one process.
 
     python scripts/bench_cpu_attention.py --reps 30 --out docs/bench_cpu_attention
+    python scripts/bench_cpu_attention.py --sharing --reps 300 \
+        --out docs/bench_cpu_attention_sharing
 
 Each case is one jitted call of one layer's attention (page size 16, scrambled page table,
 float32 unless the case says otherwise), timed with ``block_until_ready``: each call pays a
 dispatch (tens of microseconds) that an engine step pays once for all its layers, so the
 smallest cases understate the kernel's lead. Implementations alternate call by call; the table
 reports medians and the kernel/XLA ratio. Writes ``<out>.json`` and ``<out>.png``.
+
+``--sharing``: when a kernel call should share its items with XLA's intra-op threads. Decode
+rows of growing work (keys read x query heads x head dim), each timed as a chain of
+``CHAIN`` dependent calls in one program (one dispatch for all), with the items shared
+(``min_parallel_work=0``), done by the calling thread alone, and at the default
+``MIN_PARALLEL_WORK``.
 """
 
 from __future__ import annotations
@@ -92,6 +100,77 @@ def bench(reps: int) -> list[dict]:
     return rows
 
 
+CHAIN = 8
+SHARING_CASES = [  # (shape, rows, context)
+    *(("demo", n, ctx) for n in (1, 4, 8, 32) for ctx in (32, 128, 256, 512)),
+    *(("smollm2", n, ctx) for n in (1, 4, 8, 32) for ctx in (32, 128, 256, 512)),
+]
+SHARING = {"shared": 0, "alone": 2**62, "default": cpu_attention.MIN_PARALLEL_WORK}
+
+
+def sharing_sweep(reps: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    rows = []
+    for shape, n, ctx in SHARING_CASES:
+        args, _ = make_args(rng, shape, n, 1, ctx, "float32")
+        h, _, d = SHAPES[shape]
+
+        def chain(q, k, v, tables, pos, w):
+            for _ in range(CHAIN):  # each call reads the last one's output: run in order
+                q = cpu_attention.cpu_paged_attention(q, k, v, tables, pos, min_parallel_work=w)
+            return q
+
+        fns = {m: jax.jit(functools.partial(chain, w=w)) for m, w in SHARING.items()}
+        outs = [np.asarray(fn(*args)) for fn in fns.values()]
+        assert all(np.array_equal(outs[0], o) for o in outs[1:]), "sharing changed the result"
+        times = {m: [] for m in fns}
+        for _ in range(reps):
+            for m, fn in fns.items():
+                t = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                times[m].append(time.perf_counter() - t)
+        row = dict(case=f"{shape} {n} rows ctx {ctx}", work=n * ctx * h * d)
+        row.update({f"{m}_us": float(np.median(ts)) * 1e6 / CHAIN for m, ts in times.items()})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def sharing_table(rows: list[dict]) -> str:
+    out = [
+        "| case | work | shared µs | alone µs | alone / shared | default µs (takes) |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        takes = "alone" if r["work"] < cpu_attention.MIN_PARALLEL_WORK else "shared"
+        out.append(
+            f"| {r['case']} | {r['work']} | {r['shared_us']:.1f} | {r['alone_us']:.1f} | "
+            f"{r['alone_us'] / r['shared_us']:.2f}x | {r['default_us']:.1f} ({takes}) |"
+        )
+    return "\n".join(out)
+
+
+def plot_sharing(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for shape in SHAPES:
+        pts = sorted((r["work"], r["alone_us"] / r["shared_us"]) for r in rows
+                     if r["case"].startswith(shape))  # fmt: skip
+        ax.plot(*zip(*pts), "o-", label=f"{shape} shape")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.axvline(cpu_attention.MIN_PARALLEL_WORK, color="red", ls="--", label="MIN_PARALLEL_WORK")
+    ax.set_xscale("log")
+    ax.set_xlabel("work per call (keys x query heads x head dim)")
+    ax.set_ylabel("time alone / time shared")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def table(rows: list[dict]) -> str:
     out = ["| case | kernel ms | XLA ms | kernel / XLA |", "| --- | ---: | ---: | ---: |"]
     for r in rows:
@@ -121,10 +200,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--out", type=Path, default=Path("bench_cpu_attention"))
+    p.add_argument("--sharing", action="store_true", help="the thread-sharing sweep instead")
     args = p.parse_args()
     if not cpu_attention.available():
         sys.exit(f"the CPU kernel is unavailable: {cpu_attention.unavailable_reason()}")
-    rows = bench(args.reps)
+    rows = sharing_sweep(args.reps) if args.sharing else bench(args.reps)
     report = dict(
         machine=platform.processor() or platform.machine(),
         cpus=os.cpu_count(),
@@ -132,9 +212,11 @@ def main() -> None:
         reps=args.reps,
         results=rows,
     )
+    if args.sharing:
+        report["min_parallel_work"] = cpu_attention.MIN_PARALLEL_WORK
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    plot(rows, args.out.with_suffix(".png"))
-    print(table(rows))
+    (plot_sharing if args.sharing else plot)(rows, args.out.with_suffix(".png"))
+    print((sharing_table if args.sharing else table)(rows))
     print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
 
 

@@ -57,6 +57,28 @@ def test_matches_dense_oracle_with_nan_pages(case, window):
     assert (got[pos < 0] == 0).all(), "padding rows must be exactly zero"
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_calls_shared_with_xla_threads_or_not_give_the_same_bits(window):
+    """A call shares its items with XLA's threads only from ``MIN_PARALLEL_WORK``: forced either
+    way, the result is bit for bit the same; the default sends the oracle test's smallest case
+    down the calling thread alone and its SmolLM2 case across the pool."""
+    rng = np.random.RandomState(7)
+    case = CASES[1]
+    q, kp, vp, tables, pos, k_seq, v_seq = make_case(rng, **case)
+    shared, alone = (
+        _run(q, kp, vp, tables, pos, sliding_window=window, min_parallel_work=w) for w in (0, 2**62)
+    )
+    np.testing.assert_array_equal(shared, alone)
+    np.testing.assert_allclose(alone, dense_oracle(q, k_seq, v_seq, pos, window), atol=2e-5)
+
+    def work(c):  # the kernel's measure (no window), for the lengths make_case draws
+        lens = np.random.RandomState(hash((tuple(c.values()), None)) % 2**31)
+        keys = lens.randint(1, c["max_pages"] * c["page_size"] + 1, c["n"])
+        return int(keys.sum()) * c["h"] * c["d"]
+
+    assert work(CASES[0]) < cpu_attention.MIN_PARALLEL_WORK <= work(CASES[1])
+
+
 def test_scale_soft_cap_and_padding_anywhere():
     """Gemma's options, padding rows between valid ones and one block with no valid row."""
     rng = np.random.RandomState(3)
