@@ -246,26 +246,33 @@ void attend_vector(const Problem& pr, const int32_t* table, int64_t head, int64_
   for (int64_t j = 0; j < d; ++j) out[j] = acc[j] * inv;
 }
 
+// The keys a row at `pos` reads: [lo, hi) (empty for a padding row, pos < 0).
+struct KeyRange {
+  int64_t lo, hi;
+};
+inline KeyRange keys_of(const Problem& pr, int64_t pos) {
+  const int64_t hi = std::min(pos + 1, pr.max_pages * pr.page_size);
+  const int64_t lo = pr.window > 0 ? std::max<int64_t>(0, pos - pr.window + 1) : 0;
+  return pos < 0 ? KeyRange{0, 0} : KeyRange{lo, hi};
+}
+
 // Item (block, KV head): each valid row's G query heads of that KV head, one vector at a time
 // (the head's keys stay in L1/L2 between them). Padding rows get zeros.
 template <int kD>
 void attend_item(const Problem& pr, int64_t item, Scratch& ws) {
   const int64_t blk = item / pr.kvh, head = item % pr.kvh;
   const int64_t g = pr.h / pr.kvh, d = pr.d;
-  const int64_t ctx_cap = pr.max_pages * pr.page_size;
   const int32_t* table = pr.tables + blk * pr.max_pages;
   ws.q.resize(d);
   ws.row.resize(d);
   ws.out.resize(d);
   float result[kD > 0 ? kD : 1];
   for (int64_t b = 0; b < pr.bq; ++b) {
-    const int64_t pos = pr.positions[blk * pr.bq + b];
-    const int64_t hi = std::min(pos + 1, ctx_cap);
-    const int64_t lo = pr.window > 0 ? std::max<int64_t>(0, pos - pr.window + 1) : 0;
+    const auto [lo, hi] = keys_of(pr, pr.positions[blk * pr.bq + b]);
     for (int64_t j = 0; j < g; ++j) {
       const int64_t at = ((blk * pr.bq + b) * pr.h + head * g + j) * d;
       float* o = kD > 0 ? result : ws.out.data();
-      if (pos < 0 || lo >= hi) {
+      if (lo >= hi) {
         std::fill(o, o + d, 0.0f);
       } else {
         float* qs = ws.q.data();
@@ -300,13 +307,10 @@ struct Progress {
 
 // The call's work in multiply-adds per pass: keys each valid row reads x query heads x head dim.
 int64_t call_work(const Problem& pr) {
-  const int64_t ctx_cap = pr.max_pages * pr.page_size;
   int64_t keys = 0;
   for (int64_t r = 0; r < pr.n * pr.bq; ++r) {
-    const int64_t pos = pr.positions[r];
-    const int64_t hi = std::min(pos + 1, ctx_cap);
-    const int64_t lo = pr.window > 0 ? std::max<int64_t>(0, pos - pr.window + 1) : 0;
-    if (pos >= 0) keys += std::max<int64_t>(0, hi - lo);
+    const auto [lo, hi] = keys_of(pr, pr.positions[r]);
+    keys += std::max<int64_t>(0, hi - lo);
   }
   return keys * pr.h * pr.d;
 }

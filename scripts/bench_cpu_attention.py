@@ -75,6 +75,17 @@ def make_args(rng, shape, blocks, bq, ctx, pool_dtype):
     return (q, k, v, jnp.asarray(tables), jnp.asarray(pos)), scales
 
 
+def interleaved_medians(fns: dict, args, reps: int) -> dict[str, float]:
+    """Median seconds per call of each function on ``args``, called in turn ``reps`` times."""
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - t)
+    return {name: float(np.median(ts)) for name, ts in times.items()}
+
+
 def bench(reps: int) -> list[dict]:
     rng = np.random.default_rng(0)
     rows = []
@@ -86,13 +97,7 @@ def bench(reps: int) -> list[dict]:
         }
         outs = {impl: jax.block_until_ready(fn(*args)) for impl, fn in fns.items()}
         err = float(jnp.max(jnp.abs(outs["cpu"] - outs["xla"])))
-        times = {impl: [] for impl in fns}
-        for _ in range(reps):
-            for impl, fn in fns.items():
-                t = time.perf_counter()
-                jax.block_until_ready(fn(*args))
-                times[impl].append(time.perf_counter() - t)
-        med = {impl: float(np.median(ts)) * 1e3 for impl, ts in times.items()}
+        med = {impl: s * 1e3 for impl, s in interleaved_medians(fns, args, reps).items()}
         row = dict(case=name, cpu_ms=med["cpu"], xla_ms=med["xla"], max_abs_diff=err)
         row["ratio"] = row["cpu_ms"] / row["xla_ms"]
         rows.append(row)
@@ -102,8 +107,10 @@ def bench(reps: int) -> list[dict]:
 
 CHAIN = 8
 SHARING_CASES = [  # (shape, rows, context)
-    *(("demo", n, ctx) for n in (1, 4, 8, 32) for ctx in (32, 128, 256, 512)),
-    *(("smollm2", n, ctx) for n in (1, 4, 8, 32) for ctx in (32, 128, 256, 512)),
+    (shape, n, ctx)
+    for shape in ("demo", "smollm2")
+    for n in (1, 4, 8, 32)
+    for ctx in (32, 128, 256, 512)
 ]
 SHARING = {"shared": 0, "alone": 2**62, "default": cpu_attention.MIN_PARALLEL_WORK}
 
@@ -123,14 +130,9 @@ def sharing_sweep(reps: int) -> list[dict]:
         fns = {m: jax.jit(functools.partial(chain, w=w)) for m, w in SHARING.items()}
         outs = [np.asarray(fn(*args)) for fn in fns.values()]
         assert all(np.array_equal(outs[0], o) for o in outs[1:]), "sharing changed the result"
-        times = {m: [] for m in fns}
-        for _ in range(reps):
-            for m, fn in fns.items():
-                t = time.perf_counter()
-                jax.block_until_ready(fn(*args))
-                times[m].append(time.perf_counter() - t)
         row = dict(case=f"{shape} {n} rows ctx {ctx}", work=n * ctx * h * d)
-        row.update({f"{m}_us": float(np.median(ts)) * 1e6 / CHAIN for m, ts in times.items()})
+        med = interleaved_medians(fns, args, reps)
+        row.update({f"{m}_us": s * 1e6 / CHAIN for m, s in med.items()})
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

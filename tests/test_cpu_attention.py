@@ -71,10 +71,10 @@ def test_calls_shared_with_xla_threads_or_not_give_the_same_bits(window):
     np.testing.assert_array_equal(shared, alone)
     np.testing.assert_allclose(alone, dense_oracle(q, k_seq, v_seq, pos, window), atol=2e-5)
 
-    def work(c):  # the kernel's measure (no window), for the lengths make_case draws
-        lens = np.random.RandomState(hash((tuple(c.values()), None)) % 2**31)
-        keys = lens.randint(1, c["max_pages"] * c["page_size"] + 1, c["n"])
-        return int(keys.sum()) * c["h"] * c["d"]
+    def work(c):  # the kernel's measure for the oracle test's draw of case c (no window)
+        seed = hash((tuple(c.values()), None)) % 2**31
+        positions = make_case(np.random.RandomState(seed), **c)[4]
+        return int((positions + 1)[positions >= 0].sum()) * c["h"] * c["d"]
 
     assert work(CASES[0]) < cpu_attention.MIN_PARALLEL_WORK <= work(CASES[1])
 
